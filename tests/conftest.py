@@ -1,0 +1,43 @@
+"""Shared fixtures: one tiny world (data set, tokenizer, random Qwen2) per test session."""
+
+import os
+import sys
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward  # noqa: E402
+from tiny_world import build_tiny_world  # noqa: E402
+from train import DapoArguments, DapoTrainer, GSM8KDataset  # noqa: E402
+
+SEED_REWARDS = [correctness_reward, digit_reward, hard_format_reward, mark_reward]
+# Small but real: every test that trains uses these unless it says otherwise.
+FAST = dict(device="cpu", max_generate_length=12, eval_samples=4, eval_batch_size=4, num_generations=4, lr=1e-3)
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory):
+    """(model_dir, data_dir) of a tiny world written once per session."""
+    return build_tiny_world(str(tmp_path_factory.mktemp("world")), num_train=32, num_test=8, seed=0)
+
+
+@pytest.fixture
+def make_trainer(world, tmp_path):
+    """DapoTrainer on the tiny world, loaded through the real loaders; keyword args override DapoArguments."""
+    model_dir, data_dir = world
+
+    def make(reward_funcs=None, model=None, **overrides):
+        args = DapoArguments(model_path=model_dir, data_path=data_dir, output_dir=str(tmp_path / "output"), **{**FAST, **overrides})
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return DapoTrainer(
+            model=model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir),
+            reward_funcs=reward_funcs if reward_funcs is not None else list(SEED_REWARDS),
+            args=args,
+            train_dataset=GSM8KDataset(data_dir, tokenizer, split="train"),
+            eval_dataset=GSM8KDataset(data_dir, tokenizer, split="test"),
+            tokenizer=tokenizer,
+        )
+
+    return make

@@ -1,0 +1,179 @@
+"""Tests for tiny_world: everything is checked after reloading from disk, as train.py would."""
+
+import re
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+# The repo root, where tiny_world.py and train.py live.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tiny_world  # noqa: E402
+from train import SYSTEM_PROMPT  # noqa: E402
+
+QUESTION = "小明有3个苹果，又买了5个，现在一共有几个苹果？"
+COLUMNS = ["question", "answer", "question_zh-cn", "answer_only"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("world"))
+    return tiny_world.build_tiny_world(root, num_train=40, num_test=10)  # (model_dir, data_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(world):
+    return AutoTokenizer.from_pretrained(world[0])
+
+
+def solve(question_zh: str) -> int:
+    """The answer to a generated Chinese problem, from its two numbers and its verb."""
+    a, b = map(int, re.findall(r"\d+", question_zh))
+    return a - b if "送给" in question_zh or "弄丢" in question_zh else a + b
+
+
+def test_make_problems_is_deterministic_and_well_formed():
+    rows = tiny_world.make_problems(100, seed=3)
+    assert rows == tiny_world.make_problems(100, seed=3)
+    assert rows != tiny_world.make_problems(100, seed=4)
+    for row in rows:
+        assert list(row) == COLUMNS
+        assert row["answer_only"] == solve(row["question_zh-cn"])
+        assert 0 <= row["answer_only"] <= 20
+        assert row["answer"].endswith(f"\n#### {row['answer_only']}")
+
+
+def test_dataset_loads_like_the_hub_one(world, tmp_path):
+    ds = datasets.load_dataset(world[1], cache_dir=str(tmp_path))
+    assert set(ds) == {"train", "test"}
+    assert ds["train"].num_rows == 40 and ds["test"].num_rows == 10
+    for split in ds.values():
+        assert split.column_names == COLUMNS
+        assert split.features["answer_only"].dtype == "int64"
+    for row in list(ds["train"])[:5] + list(ds["test"])[:5]:
+        assert row["answer_only"] == solve(row["question_zh-cn"])
+    # Different seeds per split, so test is not a copy of the start of train.
+    assert list(ds["test"]["question_zh-cn"]) != list(ds["train"]["question_zh-cn"])[:10]
+
+
+def test_write_dataset_honours_seed(tmp_path):
+    data_dir = tiny_world.write_dataset(str(tmp_path / "d"), num_train=5, num_test=3, seed=7)
+    ds = datasets.load_dataset(data_dir, cache_dir=str(tmp_path / "cache"))
+    assert ds["train"].to_list() == tiny_world.make_problems(5, seed=7)
+    assert ds["test"].num_rows == 3
+
+
+def test_tokenizer_special_tokens_and_size(tokenizer):
+    assert 90 <= len(tokenizer) <= 160
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.pad_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert tokenizer.eos_token_id != tokenizer.pad_token_id
+    for token in SPECIALS:
+        assert len(tokenizer.encode(token, add_special_tokens=False)) == 1
+        assert token in tokenizer.all_special_tokens
+
+
+@pytest.mark.parametrize("tag", ["<think>\n", "</think>\n", "<answer>\n", "</answer>\n"])
+def test_format_tags_are_single_ordinary_tokens(tokenizer, tag):
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    assert len(ids) == 1
+    assert tokenizer.decode(ids, skip_special_tokens=True) == tag
+    ids = tokenizer.encode(f"<|im_start|>assistant\n{tag}8<|im_end|>", add_special_tokens=False)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == f"assistant\n{tag}8"
+
+
+def test_chat_template(tokenizer):
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
+        f"<|im_start|>user\n{QUESTION}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert text == tiny_world.chatml_prompt(SYSTEM_PROMPT, QUESTION)
+    no_prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert no_prompt + "<|im_start|>assistant\n" == text
+
+
+def test_chinese_round_trip_after_reload(tokenizer):
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text += "<think>\n3+5=8\n</think>\n<answer>\n8\n</answer>\n"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    # Reward functions see the completion decoded without special tokens.
+    assert tokenizer.decode(ids, skip_special_tokens=True) == (
+        f"system\n{SYSTEM_PROMPT}\nuser\n{QUESTION}\nassistant\n"
+        "<think>\n3+5=8\n</think>\n<answer>\n8\n</answer>\n"
+    )
+
+
+def test_every_problem_round_trips(world, tokenizer, tmp_path):
+    ds = datasets.load_dataset(world[1], cache_dir=str(tmp_path))
+    questions = list(ds["train"]["question_zh-cn"]) + list(ds["test"]["question_zh-cn"])
+    encoded = tokenizer(questions, add_special_tokens=False)["input_ids"]
+    for question, ids in zip(questions, encoded):
+        assert tokenizer.decode(ids) == question
+
+
+def test_model_config_and_forward(world, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(world[0])
+    config = model.config
+    assert config.model_type == "qwen2"
+    assert (config.num_hidden_layers, config.hidden_size) == (2, 64)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    assert config.intermediate_size == 128
+    assert config.max_position_embeddings == 512
+    assert config.tie_word_embeddings
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert config.vocab_size == len(tokenizer)
+    assert config.eos_token_id == tokenizer.eos_token_id
+    assert config.pad_token_id == tokenizer.pad_token_id
+    assert config.bos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert model.dtype == torch.float32
+    generation = model.generation_config
+    assert generation.eos_token_id == [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    assert generation.pad_token_id == tokenizer.pad_token_id
+
+    prompt = tiny_world.chatml_prompt(SYSTEM_PROMPT, QUESTION)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        logits = model(**ids).logits
+    assert logits.shape == (1, ids["input_ids"].shape[1], len(tokenizer))
+    assert torch.isfinite(logits).all()
+
+
+def test_model_is_seeded():
+    tok = tiny_world.build_tokenizer(["<think>\n1+1=2\n</think>\n小明有2个苹果"])
+    a, b, c = (tiny_world.build_tiny_model(tok, seed=s) for s in (0, 0, 1))
+    assert torch.equal(a.model.embed_tokens.weight, b.model.embed_tokens.weight)
+    assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
+
+
+def test_build_fails_loudly_if_the_reloaded_tokenizer_loses_characters(tmp_path, monkeypatch):
+    """The transformers 5 pitfall: a qwen2 model folder reloads as Qwen2Tokenizer, which swaps in a
+    byte-level pipeline, so a character-level vocabulary silently loses every Chinese character."""
+
+    def char_level_tokenizer(texts):
+        backend = Tokenizer(models.BPE())
+        backend.decoder = decoders.Fuse()
+        trainer = trainers.BpeTrainer(vocab_size=150, special_tokens=SPECIALS)
+        backend.train_from_iterator(texts, trainer)
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+            chat_template=tiny_world.CHAT_TEMPLATE,
+        )
+
+    in_memory = char_level_tokenizer([QUESTION])
+    assert in_memory.decode(in_memory.encode(QUESTION)) == QUESTION  # fine until saved and reloaded
+    monkeypatch.setattr(tiny_world, "build_tokenizer", char_level_tokenizer)
+    with pytest.raises(RuntimeError, match="does not round-trip"):
+        tiny_world.build_tiny_world(str(tmp_path), num_train=4, num_test=2)

@@ -1,0 +1,992 @@
+"""DAPO: Decoupled Clip and Dynamic Sampling Policy Optimization, in one file.
+
+RL fine-tuning of a chat LLM on grade-school math (GSM8K, Chinese), after the DAPO paper
+(ByteDance Seed / Tsinghua AIR, arXiv 2503.14476) and the annotated seed notes in shared/seed/.
+Read it top to bottom:
+
+    1. data            GSM8KDataset
+    2. one group       Samples
+    3. settings        DapoArguments (edit the defaults in place, or `--field=value`)
+    4. DAPO maths      group_advantages, keep_groups, dapo_per_token_loss, aggregate_loss, ...
+    5. the trainer     DapoTrainer: sample groups -> rewards -> advantages -> dynamic-sampling
+                       skip -> buffer -> clip-higher token-level loss -> gradient accumulation
+    6. entry point     python train.py [--demo] [--preset paper] [--field=value ...]
+
+Each optimizer step consumes gradient_accumulation_steps micro-batches of batch_size valid
+groups; a group is num_generations responses to one prompt.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import inspect
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections import defaultdict
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+)
+
+from reward_func import (
+    correctness_reward,
+    digit_reward,
+    extract_answer,
+    hard_format_reward,
+    mark_reward,
+    normalize_answer,
+    soft_overlong_punishment,
+)
+
+SYSTEM_PROMPT = """
+按照如下格式回答问题：
+<think>
+你的思考过程
+</think>
+<answer>
+你的回答
+</answer>
+"""
+
+# ============================================================
+# 1. Data
+# ============================================================
+QUESTION_COLUMN = "question_zh-cn"  # Chinese problem text
+ANSWER_COLUMN = "answer_only"  # the final number, e.g. 72
+
+
+class GSM8KDataset(Dataset):
+    """GSM8K (Chinese) from a local folder: items {"prompt": question, "answer": number}.
+
+    `test_size` is used only when the folder has no "test" split: then a fixed random
+    `test_size` rows of "train" are held out as "test" (and removed from "train").
+    """
+
+    def __init__(self, data_path, tokenizer, split: str = "train", test_size: int = 100):
+        self.tokenizer = tokenizer
+        if not os.path.isdir(data_path):
+            raise FileNotFoundError(
+                f"data set folder {data_path!r} does not exist. Download it with "
+                "`huggingface-cli download swulling/gsm8k_chinese --repo-type dataset --local-dir "
+                f"{data_path}` (or from ModelScope), or set --data_path."
+            )
+        data = load_local_dataset(data_path)
+        if "test" not in data and "train" in data:
+            data = data["train"].train_test_split(test_size=test_size, seed=0)
+        if split not in data:
+            raise ValueError(f"data set {data_path!r} has no split {split!r}; it has {sorted(data)}.")
+        missing = [c for c in (QUESTION_COLUMN, ANSWER_COLUMN) if c not in data[split].column_names]
+        if missing:
+            raise ValueError(
+                f"split {split!r} of {data_path!r} lacks the column(s) {missing}; it has "
+                f"{data[split].column_names}. GSM8KDataset expects swulling/gsm8k_chinese's columns."
+            )
+        self.data = data[split]
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        sample = self.data[index]
+        return {"prompt": sample[QUESTION_COLUMN], "answer": sample[ANSWER_COLUMN]}
+
+
+def load_local_dataset(data_path):
+    from datasets import load_dataset  # imported here: it is slow to import and only needed once
+
+    return load_dataset(data_path)
+
+
+# ============================================================
+# 2. One group: num_generations responses to one prompt
+# ============================================================
+@dataclass
+class Samples:
+    prompt_response_ids: torch.Tensor  # [G, P+T] left-padded prompt, right-padded response
+    response_ids: torch.Tensor  # [G, T]
+    prompt: Any  # the question text
+    answer: Any  # the reference answer
+    attention_mask: Optional[torch.LongTensor]  # [G, P+T] real prompt tokens + response up to its first EOS
+    action_mask: Optional[torch.BoolTensor]  # [G, T] response tokens up to and including the first EOS
+    num_actions: Union[int, torch.Tensor]  # T, the padded response length
+    response_length: int  # [G] number of response tokens (EOS included)
+
+
+# ============================================================
+# 3. Settings
+# ============================================================
+EXPERIENCE_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "old_action_log_probs", "ref_action_log_probs", "advantages")
+LOSS_AGG_MODES = ("seed", "token-mean", "seq-mean-token-mean")
+FILTER_METRICS = ("reward", "correctness", "none")
+
+
+@dataclass
+class DapoArguments:
+    # --- paths and run ---
+    model_path: str = "./Qwen2.5-1.5B-Instruct"  # policy: a Hugging Face folder or a .gguf file
+    data_path: str = "./gsm8k_chinese"  # folder holding swulling/gsm8k_chinese (train/test splits)
+    output_dir: str = "./output"  # logs, checkpoints and the final model go here
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"  # where the model runs
+    seed: int = 42  # seeds torch's RNG (sampling, shuffling, evaluation subsets)
+    # --- optimisation (seed: plain Adam, constant lr) ---
+    lr: float = 0.000001  # learning rate
+    epoch: int = 3  # passes over the training prompts
+    max_steps: int = 0  # stop after this many optimizer steps; 0 = run every epoch
+    gradient_accumulation_steps: int = 2  # micro-batches per optimizer step
+    batch_size: int = 1  # prompts per sampling round = valid groups per micro-batch
+    num_iterations: int = 1  # optimizer passes over each sampled step (>1: PPO-style reuse)
+    weight_decay: float = 0.0  # > 0 switches Adam to AdamW with this decoupled decay (paper: 0.1)
+    warmup_steps: int = 0  # linear lr warm-up over this many optimizer steps (paper: 10)
+    max_grad_norm: float = 0.0  # clip the gradient norm to this; 0 = no clipping (paper: 1.0)
+    # --- sampling ---
+    num_generations: int = 4  # G: responses per prompt (group size)
+    max_prompt_length: int = 256  # longer prompts keep their last tokens
+    max_generate_length: int = 128  # max new tokens per response (L_max)
+    temperature: float = 0.9  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling; 1.0 = off
+    top_k: int = 50  # top-k sampling; 0 = off
+    # --- rewards and dynamic sampling ---
+    reward_weights: Optional[List[float]] = None  # one weight per reward function; None = all 1.0
+    filter_metric: str = "reward"  # skip a group when: "reward" its total rewards are all equal (seed),
+    #                                "correctness" all or none of it is correct (paper Eq. 11), "none" never
+    max_num_gen_batches: int = 0  # max sampling rounds to fill one micro-batch; 0 = no limit
+    overlong_buffer_len: int = 0  # L_cache of the soft overlong punishment (Eq. 13); 0 = off
+    overlong_penalty_factor: float = 1.0  # scale of that punishment (-factor at L_max)
+    overlong_filter: bool = False  # mask out the loss of responses that hit max_generate_length without EOS
+    # --- loss ---
+    beta: float = 0.0  # KL coefficient; 0 = no reference model (saves memory)
+    clip_eps_low: float = 0.2  # ratio clipped below at 1 - clip_eps_low
+    clip_eps_high: float = 0.28  # ratio clipped above at 1 + clip_eps_high (clip-higher)
+    loss_agg_mode: str = "seed"  # "seed" per-group token mean, "token-mean" (paper), "seq-mean-token-mean" (GRPO)
+    # --- evaluation, logging, checkpoints ---
+    eval_steps: int = 10  # evaluate every this many optimizer steps (and before training)
+    eval_samples: int = 100  # random test problems per evaluation
+    eval_batch_size: int = 20  # prompts per generate call during evaluation
+    save_steps: int = 100  # write output_dir/checkpoint_N every this many optimizer steps
+    bf16: bool = True  # on CUDA, autocast forward passes to bf16 (weights stay float32)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        """Reject bad settings up front, naming the field and the fix."""
+        checks = [
+            (self.num_generations >= 2, "num_generations must be >= 2 (a group needs two responses to compare)"),
+            (0 <= self.clip_eps_low < 1, "clip_eps_low must be in [0, 1)"),
+            (0 <= self.clip_eps_high < 1, "clip_eps_high must be in [0, 1)"),
+            (self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1"),
+            (self.num_iterations >= 1, "num_iterations must be >= 1"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.epoch >= 1, "epoch must be >= 1"),
+            (self.max_steps >= 0, "max_steps must be >= 0 (0 = no limit)"),
+            (self.lr > 0, "lr must be > 0"),
+            (self.beta >= 0, "beta must be >= 0"),
+            (self.weight_decay >= 0, "weight_decay must be >= 0"),
+            (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
+            (self.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 = no clipping)"),
+            (self.max_prompt_length >= 1, "max_prompt_length must be >= 1"),
+            (self.max_generate_length >= 1, "max_generate_length must be >= 1"),
+            (self.temperature > 0, "temperature must be > 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
+            (self.eval_steps >= 1, "eval_steps must be >= 1"),
+            (self.eval_samples >= 1, "eval_samples must be >= 1"),
+            (self.eval_batch_size >= 1, "eval_batch_size must be >= 1"),
+            (self.save_steps >= 1, "save_steps must be >= 1"),
+            (self.max_num_gen_batches >= 0, "max_num_gen_batches must be >= 0 (0 = no limit)"),
+            (
+                0 <= self.overlong_buffer_len < self.max_generate_length,
+                "overlong_buffer_len must be in [0, max_generate_length) (0 = off)",
+            ),
+            (self.loss_agg_mode in LOSS_AGG_MODES, f"loss_agg_mode must be one of {LOSS_AGG_MODES}"),
+            (self.filter_metric in FILTER_METRICS, f"filter_metric must be one of {FILTER_METRICS}"),
+            (
+                self.reward_weights is None or all(isinstance(w, (int, float)) for w in self.reward_weights),
+                "reward_weights must be None or a list of numbers",
+            ),
+        ]
+        errors = [message for ok, message in checks if not ok]
+        if errors:
+            raise ValueError("invalid DapoArguments: " + "; ".join(errors))
+
+
+# The paper's recipe (arXiv 2503.14476, Sec. 4 and verl's recipe/dapo), scaled to this setting.
+PAPER_PRESET = dict(
+    filter_metric="correctness",  # Eq. (11): 0 < |correct| < G
+    loss_agg_mode="token-mean",  # Eq. (12): token-level policy gradient loss
+    overlong_buffer_len=None,  # Eq. (13): L_cache = max_generate_length // 5 (4096 of 20480 in the paper)
+    weight_decay=0.1,
+    warmup_steps=10,
+    max_grad_norm=1.0,
+)
+
+
+# ============================================================
+# 4. DAPO maths: small pure functions, each with its equation
+# ============================================================
+def group_advantages(rewards):
+    """GRPO/DAPO advantage, Eq. (9): A_i = (R_i - mean(R)) / (std(R) + 1e-8) within each group.
+
+    rewards: [B, G] -> advantages [B, G]; std is the unbiased one, as torch.std and the seed.
+    """
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True)
+    return (rewards - mean) / (std + 1e-8)
+
+
+def keep_groups(advantages, correct, filter_metric):
+    """Dynamic sampling, Eq. (11): which groups carry a learning signal. Returns [B] bool.
+
+    "reward":      some advantage is non-zero (the seed's rule: skip when all totals are equal)
+    "correctness": 0 < number of correct responses < G (the paper's rule)
+    "none":        keep every group (GRPO)
+    """
+    if filter_metric == "reward":
+        return advantages.count_nonzero(dim=1) > 0
+    if filter_metric == "correctness":
+        num_correct = correct.sum(dim=1)
+        return (num_correct > 0) & (num_correct < correct.size(1))
+    return torch.ones(advantages.size(0), dtype=torch.bool, device=advantages.device)
+
+
+def response_mask(response_ids, eos_token_ids, generated_length):
+    """1 for each response token up to and including its first EOS, 0 after. [N, T] -> [N, T] long.
+
+    A response without EOS keeps its `generated_length` tokens (it was cut at max_generate_length).
+    The seed dropped the EOS itself, so the policy was never taught to stop.
+    """
+    is_eos = torch.isin(response_ids, torch.tensor(eos_token_ids, device=response_ids.device))
+    positions = torch.arange(response_ids.size(1), device=response_ids.device)
+    first_eos = torch.where(is_eos, positions, response_ids.size(1)).min(dim=1).values  # [N]
+    length = torch.where(first_eos < response_ids.size(1), first_eos + 1, generated_length)
+    return (positions.unsqueeze(0) < length.unsqueeze(1)).long()
+
+
+def selective_log_softmax(logits, labels):
+    """log softmax(logits)[label] without materialising a [N, T, V] float32 log-softmax.
+
+    logits: [N, T, V] (any float dtype), labels: [N, T] -> [N, T] float32. Row by row, the chosen
+    logit minus a float32 logsumexp: peak extra memory is one row's [T, V], not the whole batch.
+    """
+    rows = []
+    for row_logits, row_labels in zip(logits, labels):
+        row_logits = row_logits.float()
+        chosen = row_logits.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)
+        rows.append(chosen - torch.logsumexp(row_logits, dim=-1))
+    return torch.stack(rows)
+
+
+def dapo_per_token_loss(log_probs, old_log_probs, advantages, clip_eps_low, clip_eps_high):
+    """Clip-higher surrogate, Eq. (10), per token:
+
+        loss_t = -min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A),   r_t = pi(o_t) / pi_old(o_t)
+
+    log_probs, old_log_probs: [N, T]; advantages: [N] (one per response, broadcast over tokens).
+    Returns (loss [N, T], ratio [N, T]).
+    """
+    ratio = torch.exp(log_probs - old_log_probs)
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
+    advantages = advantages.unsqueeze(1)
+    return -torch.min(ratio * advantages, clipped * advantages), ratio
+
+
+def k3_kl(log_probs, ref_log_probs):
+    """Schulman's k3 estimator of KL(pi || pi_ref), per token: exp(ref - logp) - 1 - (ref - logp)."""
+    log_ratio = ref_log_probs - log_probs
+    return log_ratio.exp() - 1 - log_ratio
+
+
+def aggregate_loss(per_token_loss, mask, mode, num_generations, num_step_tokens=None, num_micro_steps=1):
+    """Reduce per-token losses [N, T] (masked by mask [N, T]) to this micro-batch's loss.
+
+    The trainer divides every micro-batch loss by num_micro_steps (gradient accumulation), so:
+      "seed":                per group, sum over its G responses' tokens / its token count; mean over groups
+      "token-mean":          Eq. (12): sum over every token of the optimizer step / the step's token count
+                             (num_step_tokens counts all accumulated micro-batches; scaled by
+                             num_micro_steps here so that the trainer's division cancels it)
+      "seq-mean-token-mean": GRPO: each response's token mean, then the mean over responses
+    Fully masked groups or responses contribute 0 (their denominators are clamped to 1).
+    """
+    per_token_loss = per_token_loss * mask
+    if mode == "seed":
+        group_sums = per_token_loss.view(-1, num_generations, mask.size(1)).sum(dim=(1, 2))
+        group_tokens = mask.view(-1, num_generations, mask.size(1)).sum(dim=(1, 2))
+        return (group_sums / group_tokens.clamp(min=1)).mean()
+    if mode == "token-mean":
+        if num_step_tokens is None:  # called on its own: this micro-batch is the whole step
+            num_step_tokens, num_micro_steps = mask.sum(), 1
+        return per_token_loss.sum() / max(float(num_step_tokens), 1.0) * num_micro_steps
+    return (per_token_loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+
+
+def pad_and_cat_groups(groups, pad_token_id):
+    """Join groups whose prompts (left-padded) or responses (right-padded) differ in length.
+
+    groups: dict of lists, one tensor per group: prompt_response_ids / attention_mask [G, P_i+T_i],
+    action_mask / old / ref log-probs [G, T_i], advantages [G]. Returns dict of [sum G, ...] tensors,
+    prompts left-padded to max P_i and responses right-padded to max T_i.
+    """
+    num_actions = [mask.size(1) for mask in groups["action_mask"]]
+    prompt_lengths = [ids.size(1) - t for ids, t in zip(groups["prompt_response_ids"], num_actions)]
+    max_p, max_t = max(prompt_lengths), max(num_actions)
+    pads = {"prompt_response_ids": pad_token_id, "attention_mask": 0}
+    batch = {}
+    for key, tensors in groups.items():
+        if tensors is None:
+            batch[key] = None
+        elif key in pads:  # (left, right) padding of the last dimension
+            padded = [F.pad(x, (max_p - p, max_t - t), value=pads[key]) for x, p, t in zip(tensors, prompt_lengths, num_actions)]
+            batch[key] = torch.cat(padded)
+        elif key == "advantages":
+            batch[key] = torch.cat(tensors)
+        else:
+            batch[key] = torch.cat([F.pad(x, (0, max_t - t)) for x, t in zip(tensors, num_actions)])
+    return batch
+
+
+def mean(values):
+    return sum(values) / len(values)
+
+
+def std(values):
+    """Unbiased standard deviation (0 for fewer than two values)."""
+    if len(values) < 2:
+        return 0.0
+    m = mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def call_reward_func(reward_func, prompts, responses, answers, response_lengths):
+    """Call a rule-based reward; pass response_lengths (in tokens) only to a function that asks for it."""
+    kwargs = dict(prompts=prompts, responses=responses, answers=answers)
+    if "response_lengths" in inspect.signature(reward_func).parameters:
+        kwargs["response_lengths"] = response_lengths
+    return reward_func(**kwargs)
+
+
+def reward_func_name(reward_func):
+    if isinstance(reward_func, PreTrainedModel):
+        return reward_func.config._name_or_path.rstrip("/").split("/")[-1] or "reward_model"
+    if isinstance(reward_func, functools.partial):
+        return reward_func.func.__name__
+    return getattr(reward_func, "__name__", type(reward_func).__name__)
+
+
+# ============================================================
+# 5. The trainer
+# ============================================================
+def load_causal_lm(path):
+    """A float32 causal LM from a Hugging Face folder, or from a .gguf file (dequantised on load)."""
+    if not path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path), dtype=torch.float32)
+    # The weights are plain float32 now; forget the GGUF "quantizer" so that save_pretrained works.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    return model
+
+
+def load_tokenizer(path):
+    if path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
+
+
+class DapoTrainer:
+    def __init__(
+        self,
+        model=None,
+        reward_funcs: Union[List[str], List[Callable]] = None,
+        args=None,
+        train_dataset: Optional[Dataset] = None,
+        eval_dataset: Optional[Dataset] = None,
+        tokenizer=None,
+        reward_tokenizers=None,
+    ):
+        self.args = args if args is not None else DapoArguments()
+        self.args.validate()  # again: users may have edited fields after construction
+        args = self.args
+        torch.manual_seed(args.seed)
+
+        # Policy in float32: transformers 5 loads a bf16 checkpoint as bf16, where Adam's 1e-6
+        # steps round away. Forward passes may still autocast to bf16 on CUDA (args.bf16).
+        if isinstance(model, str):
+            model = load_causal_lm(model)
+        self.model = model.to(device=args.device, dtype=torch.float32)
+        self.ref_model = None  # beta == 0: no reference model, half the memory
+        if args.beta != 0.0:
+            self.ref_model = deepcopy(self.model).eval().requires_grad_(False)
+
+        if isinstance(tokenizer, str):
+            tokenizer = load_tokenizer(tokenizer)
+        self.tokenizer = self.get_tokenizer(tokenizer)
+        self.eos_token_ids = self.get_eos_token_ids()
+
+        self.reward_funcs, self.reward_tokenizers = self.load_reward_funcs(reward_funcs, reward_tokenizers)
+        self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
+        weights = args.reward_weights or [1.0] * len(reward_funcs or [])
+        if args.overlong_buffer_len > 0 and len(weights) == len(self.reward_funcs) - 1:
+            weights = list(weights) + [1.0]  # the punishment carries its own scale (penalty_factor)
+        if len(weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(weights)} entries but there are {len(self.reward_funcs)} reward functions"
+            )
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32, device=args.device)  # [F]
+        if args.filter_metric == "correctness" and "correctness_reward" not in self.reward_names:
+            raise ValueError('filter_metric="correctness" needs correctness_reward among the reward functions')
+
+        if args.weight_decay > 0:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        else:
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr)
+        warmup = args.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        )
+        # Sampling is explicit: a model's own generation config (greedy, repetition penalty, ...)
+        # must not change the behaviour policy. It is swapped in around every generate call.
+        self.generation_config = GenerationConfig(
+            do_sample=True,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_new_tokens=args.max_generate_length,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
+            bos_token_id=getattr(self.model.generation_config, "bos_token_id", None),
+        )
+
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.input_buffer = [None] * args.gradient_accumulation_steps
+        self.update_steps = 0  # optimizer steps taken
+        self.skipped_groups = 0  # groups dropped by dynamic sampling, all run long
+        self.truncated_prompts = 0  # prompts longer than max_prompt_length (cut from the left)
+        self.metrics = defaultdict(list)  # values gathered since the last optimizer step
+        self.history = []  # one metrics dict per optimizer step (also written to metrics.jsonl)
+
+    # ---- set-up helpers ----
+    def get_tokenizer(self, tokenizer):
+        tokenizer.padding_side = "left"  # prompts end at the same column, responses start there
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+
+    def get_eos_token_ids(self):
+        """Every id that ends a response: the tokenizer's EOS and the model's generation EOS ids."""
+        ids = self.model.generation_config.eos_token_id
+        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+        return sorted(set(ids) | {self.tokenizer.eos_token_id})
+
+    def load_reward_funcs(self, reward_funcs, reward_tokenizers):
+        args = self.args
+        reward_funcs = [reward_funcs] if isinstance(reward_funcs, (str, PreTrainedModel)) or callable(reward_funcs) else list(reward_funcs or [])
+        if not reward_funcs:
+            raise ValueError("DapoTrainer needs at least one reward function")
+        for i, reward_func in enumerate(reward_funcs):
+            if isinstance(reward_func, str):  # a path to a sequence-classification reward model
+                reward_funcs[i] = AutoModelForSequenceClassification.from_pretrained(reward_func, num_labels=1)
+            if isinstance(reward_funcs[i], PreTrainedModel):
+                reward_funcs[i] = reward_funcs[i].to(args.device).eval()
+        if reward_tokenizers is None:
+            reward_tokenizers = [None] * len(reward_funcs)
+        elif isinstance(reward_tokenizers, str) or not isinstance(reward_tokenizers, (list, tuple)):
+            reward_tokenizers = [reward_tokenizers]
+        if len(reward_tokenizers) != len(reward_funcs):
+            raise ValueError("reward_tokenizers must have one entry per reward function")
+        reward_tokenizers = list(reward_tokenizers)
+        for i, (reward_tokenizer, reward_func) in enumerate(zip(reward_tokenizers, reward_funcs)):
+            if isinstance(reward_func, PreTrainedModel):
+                if reward_tokenizer is None:
+                    reward_tokenizer = reward_func.config._name_or_path
+                if isinstance(reward_tokenizer, str):
+                    reward_tokenizer = AutoTokenizer.from_pretrained(reward_tokenizer)
+                if reward_tokenizer.pad_token_id is None:
+                    reward_tokenizer.pad_token = reward_tokenizer.eos_token
+                reward_func.config.pad_token_id = reward_tokenizer.pad_token_id
+                reward_tokenizers[i] = reward_tokenizer
+        if args.overlong_buffer_len > 0:  # DAPO Eq. (13), bound to this run's lengths
+            reward_funcs.append(
+                functools.partial(
+                    soft_overlong_punishment,
+                    max_length=args.max_generate_length,
+                    cache_length=args.overlong_buffer_len,
+                    penalty_factor=args.overlong_penalty_factor,
+                )
+            )
+            reward_tokenizers.append(None)
+        return reward_funcs, reward_tokenizers
+
+    def autocast(self):
+        """bf16 autocast for forward passes on CUDA; float32 (a no-op context) elsewhere."""
+        if self.args.bf16 and self.args.device.startswith("cuda"):
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ---- 5.1 sampling ----
+    def encode_prompts(self, prompts):
+        """Chat-format and left-pad prompts. Returns input_ids, attention_mask: [B, P], P = longest prompt.
+
+        A prompt longer than max_prompt_length keeps its last tokens: its end is the generation prompt
+        (`<|im_start|>assistant`), without which the model would not answer. The seed cut the end off.
+        """
+        texts = [
+            self.tokenizer.apply_chat_template(
+                [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            for prompt in prompts
+        ]
+        # The chat template already holds every special token it needs.
+        token_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        too_long = sum(len(ids) > self.args.max_prompt_length for ids in token_ids)
+        if too_long:
+            self.truncated_prompts += too_long
+            warnings.warn(
+                f"{self.truncated_prompts} prompt(s) so far were longer than max_prompt_length="
+                f"{self.args.max_prompt_length} tokens and lost their beginning"
+            )
+        token_ids = [ids[-self.args.max_prompt_length :] for ids in token_ids]
+        width = max(len(ids) for ids in token_ids)
+        input_ids = torch.full((len(token_ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(token_ids), width), dtype=torch.long)
+        for row, ids in enumerate(token_ids):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+        return input_ids.to(self.args.device), attention_mask.to(self.args.device)
+
+    @torch.no_grad()
+    def sample(self, input_ids, attention_mask):
+        """One generate call with this trainer's sampling settings. Returns [N, P+T'] with T' <= max_generate_length."""
+        saved_config = self.model.generation_config
+        self.model.generation_config = self.generation_config
+        try:
+            with self.autocast():
+                return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=self.generation_config)
+        finally:
+            self.model.generation_config = saved_config
+
+    def generate_samples(self, inputs):
+        """num_generations responses to each prompt of the batch, in one generate call: a list of Samples."""
+        self.model.eval()
+        prompts = list(inputs["prompt"])
+        answers = list(inputs["answer"]) if "answer" in inputs else [None] * len(prompts)
+        G = self.args.num_generations
+        prompt_ids, prompt_mask = self.encode_prompts(prompts)  # [B, P]
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
+        prompt_response_ids = self.sample(prompt_ids, prompt_mask)  # [B*G, P+T]
+        P = prompt_ids.size(1)
+        response_ids = prompt_response_ids[:, P:]  # [B*G, T]
+        action_mask = response_mask(response_ids, self.eos_token_ids, response_ids.size(1))  # [B*G, T]
+        response_ids = response_ids.masked_fill(action_mask == 0, self.tokenizer.pad_token_id)
+        prompt_response_ids = torch.cat([prompt_ids, response_ids], dim=1)
+        # From the masks, not from `!= pad_token_id`: a pad token that is also the EOS (SmolLM,
+        # Llama) would otherwise hide the chat template's own end-of-turn tokens.
+        attention_mask = torch.cat([prompt_mask, action_mask], dim=1)  # [B*G, P+T]
+        return [
+            Samples(
+                prompt_response_ids=prompt_response_ids[g * G : (g + 1) * G],
+                response_ids=response_ids[g * G : (g + 1) * G],
+                prompt=prompt,
+                answer=answer,
+                attention_mask=attention_mask[g * G : (g + 1) * G],
+                action_mask=action_mask[g * G : (g + 1) * G],
+                num_actions=response_ids.size(1),
+                response_length=action_mask[g * G : (g + 1) * G].sum(dim=-1),
+            )
+            for g, (prompt, answer) in enumerate(zip(prompts, answers))
+        ]
+
+    # ---- 5.2 rewards, advantages, dynamic sampling ----
+    @torch.no_grad()
+    def score_rewards(self, prompts, responses, answers, response_lengths):
+        """rewards_per_func [N, F] for N responses; NaN where a function returned None."""
+        columns = []
+        for reward_func, reward_tokenizer in zip(self.reward_funcs, self.reward_tokenizers):
+            if isinstance(reward_func, PreTrainedModel):  # scored on prompt + response, with its own tokenizer
+                texts = [p + r for p, r in zip(prompts, responses)]
+                enc = reward_tokenizer(texts, return_tensors="pt", padding=True).to(self.args.device)
+                columns.append(reward_func(**enc).logits[:, 0].float())
+            else:
+                values = call_reward_func(reward_func, prompts, responses, answers, response_lengths)
+                values = [math.nan if v is None else float(v) for v in values]
+                columns.append(torch.tensor(values, dtype=torch.float32, device=self.args.device))
+        return torch.stack(columns, dim=1)
+
+    def generate_experiences(self, inputs):
+        """Sample groups, score them, compute advantages and drop the groups without signal.
+
+        Returns dict of lists with one entry per kept group (the seed's layout).
+        """
+        args, G = self.args, self.args.num_generations
+        start = time.perf_counter()
+        samples_list = self.generate_samples(inputs)
+        self.metrics["time/sampling"].append(time.perf_counter() - start)
+
+        start = time.perf_counter()
+        prompts = [s.prompt for s in samples_list for _ in range(G)]
+        answers = [s.answer for s in samples_list for _ in range(G)]
+        responses = [text for s in samples_list for text in self.tokenizer.batch_decode(s.response_ids, skip_special_tokens=True)]
+        lengths = torch.cat([s.response_length for s in samples_list])  # [B*G]
+        rewards_per_func = self.score_rewards(prompts, responses, answers, lengths.tolist())  # [B*G, F]
+        # A None reward contributes nothing: NaNs are skipped by the weighted sum.
+        rewards = (rewards_per_func * self.reward_weights).nansum(dim=1).view(-1, G)  # [B, G]
+        advantages = group_advantages(rewards)  # [B, G]
+        correct = rewards_per_func[:, self.reward_names.index("correctness_reward")].view(-1, G) > 0 if "correctness_reward" in self.reward_names else None
+        keep = keep_groups(advantages, correct, args.filter_metric)  # [B]
+        self.skipped_groups += int((~keep).sum())
+        self.metrics["time/reward"].append(time.perf_counter() - start)
+        self.log_sampling_metrics(rewards_per_func, rewards, lengths, keep)
+
+        start = time.perf_counter()
+        experiences = defaultdict(list)
+        for samples, group_advantage, kept in zip(samples_list, advantages, keep):
+            if not kept:
+                continue
+            action_mask = samples.action_mask
+            if args.overlong_filter:  # truncated responses (no EOS within the budget) teach nothing
+                ended = torch.isin(samples.response_ids, torch.tensor(self.eos_token_ids, device=action_mask.device)).any(dim=1)
+                action_mask = action_mask * ended.unsqueeze(1)
+            experiences["prompt_response_ids"].append(samples.prompt_response_ids)
+            experiences["attention_mask"].append(samples.attention_mask)
+            experiences["action_mask"].append(action_mask)
+            experiences["advantages"].append(group_advantage)
+            with torch.no_grad():
+                # pi_old is needed only when a batch is reused (num_iterations > 1); with a single
+                # pass the ratio is 1 and old = logp.detach() in compute_loss (the seed computed it anyway).
+                if args.num_iterations > 1:
+                    experiences["old_action_log_probs"].append(self.get_action_log_probs(self.model, samples.prompt_response_ids, samples.attention_mask, samples.num_actions))
+                if self.ref_model is not None:
+                    experiences["ref_action_log_probs"].append(self.get_action_log_probs(self.ref_model, samples.prompt_response_ids, samples.attention_mask, samples.num_actions))
+        self.metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)
+        result = {key: experiences[key] for key in EXPERIENCE_KEYS}
+        if args.num_iterations == 1:
+            result["old_action_log_probs"] = None
+        if self.ref_model is None:
+            result["ref_action_log_probs"] = None
+        return result
+
+    def log_sampling_metrics(self, rewards_per_func, rewards, lengths, keep):
+        m = self.metrics
+        m["reward"].extend(rewards.flatten().tolist())
+        for name, column in zip(self.reward_names, rewards_per_func.T):
+            m[f"rewards/{name}"].extend(column.tolist())
+        m["reward_std"].extend(rewards.std(dim=1).tolist())
+        m["frac_reward_zero_std"].extend((rewards.std(dim=1) == 0).float().tolist())
+        m["frac_groups_skipped"].extend((~keep).float().tolist())
+        m["completions/length"].extend(lengths.tolist())
+        m["completions/clipped_ratio"].extend((lengths >= self.args.max_generate_length).float().tolist())
+
+    # ---- 5.3 the DAPO loss ----
+    def compute_loss(self, model, inputs):
+        """DAPO policy-gradient loss of one micro-batch (Eqs. 10 and 12, plus beta * k3 when beta > 0)."""
+        args = self.args
+        prompt_response_ids = inputs["prompt_response_ids"]  # [N, P+T]
+        attention_mask = inputs["attention_mask"]  # [N, P+T]
+        action_mask = inputs["action_mask"]  # [N, T]
+        num_actions = action_mask.size(1)
+        action_log_probs, entropy = self.get_action_log_probs(model, prompt_response_ids, attention_mask, num_actions, with_entropy=True)
+        old_action_log_probs = inputs["old_action_log_probs"] if args.num_iterations > 1 else action_log_probs.detach()
+        advantages = inputs["advantages"]  # [N]
+        per_token_loss, ratio = dapo_per_token_loss(action_log_probs, old_action_log_probs, advantages, args.clip_eps_low, args.clip_eps_high)
+        if args.beta != 0.0:
+            kl = k3_kl(action_log_probs, inputs["ref_action_log_probs"])  # [N, T]
+            per_token_loss = per_token_loss + args.beta * kl
+        loss = aggregate_loss(
+            per_token_loss,
+            action_mask,
+            args.loss_agg_mode,
+            args.num_generations,
+            num_step_tokens=inputs.get("num_step_tokens"),
+            num_micro_steps=args.gradient_accumulation_steps,
+        )
+        with torch.no_grad():  # diagnostics, averaged over the micro-batch's response tokens
+            mask = action_mask.bool()
+            A = advantages.unsqueeze(1).expand_as(ratio)
+            self.metrics["clip_ratio/low_mean"].append(((ratio < 1 - args.clip_eps_low) & (A < 0))[mask].float().mean().item())
+            self.metrics["clip_ratio/high_mean"].append(((ratio > 1 + args.clip_eps_high) & (A > 0))[mask].float().mean().item())
+            self.metrics["entropy"].append(entropy[mask].mean().item())
+            if args.beta != 0.0:
+                self.metrics["kl"].append(kl[mask].mean().item())
+        return loss
+
+    # ---- 5.4 log-probabilities ----
+    def get_action_log_probs(self, model, input_ids, attention_mask, num_actions, with_entropy=False):
+        """log pi(o_t | q, o_<t) of the last num_actions tokens: [N, T] (and the entropy [N, T]).
+
+        Logits at position t predict token t+1, so the logits of the last T+1 positions, minus the
+        last, score the T response tokens. Only those logits are computed (`logits_to_keep`), and
+        the log-softmax is taken row by row (selective_log_softmax).
+        Position ids follow the attention mask, as in generate, so left padding does not shift them.
+        """
+        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+        with self.autocast():
+            logits = model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=num_actions + 1
+            ).logits[:, :-1]  # [N, T, V]
+        log_probs = selective_log_softmax(logits, input_ids[:, -num_actions:])  # [N, T]
+        if not with_entropy:
+            return log_probs
+        with torch.no_grad():
+            entropy = torch.stack([torch.distributions.Categorical(logits=row.float()).entropy() for row in logits])
+        return log_probs, entropy
+
+    # ---- 5.5 one micro-step ----
+    def train_step(self, model, inputs, optimizer, step):
+        """Backward one micro-batch; step the optimizer after every gradient_accumulation_steps of them."""
+        args = self.args
+        model.train()
+        start = time.perf_counter()
+        loss = self.compute_loss(model, inputs) / args.gradient_accumulation_steps
+        loss.backward()
+        self.metrics["loss"].append(loss.item())
+        self.metrics["num_tokens"].append(int(inputs["action_mask"].sum()))
+        if (step + 1) % args.gradient_accumulation_steps == 0:
+            max_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
+            self.metrics["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            self.metrics["learning_rate"].append(self.scheduler.get_last_lr()[0])
+            optimizer.step()
+            self.scheduler.step()
+            optimizer.zero_grad()
+        self.metrics["time/training"].append(time.perf_counter() - start)
+        self.append_line("training_losses.txt", f"{self.update_steps},{loss.item():.8f}")
+
+    def append_line(self, filename, line):
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, filename), "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    # ---- 5.6 the training loop ----
+    def train(self):
+        args = self.args
+        self.evaluate_and_log()
+        self.global_steps = args.num_iterations * args.epoch * len(self.train_dataset) // (args.batch_size * args.gradient_accumulation_steps)
+        if args.max_steps:
+            self.global_steps = min(self.global_steps, args.max_steps)
+        with tqdm(total=self.global_steps, desc="DAPO", unit="step", dynamic_ncols=True, mininterval=1.0) as progress:
+            self.train_epochs(progress)
+
+    def train_epochs(self, progress):
+        args = self.args
+        keys = EXPERIENCE_KEYS
+        for _ in range(args.epoch):
+            dataloader = DataLoader(self.train_dataset, batch_size=args.batch_size, shuffle=True)
+            buffer = {key: [] for key in keys}  # valid groups waiting for a micro-batch
+            idx = 0  # micro-batches filled this epoch
+            rounds = 0  # sampling rounds since the last micro-batch was filled
+            for batch in dataloader:
+                experiences = self.generate_experiences(batch)
+                rounds += 1
+                for key in keys:
+                    if experiences[key] is not None:
+                        buffer[key] += experiences[key]
+                if len(buffer["advantages"]) < args.batch_size:
+                    if args.max_num_gen_batches and rounds >= args.max_num_gen_batches:
+                        raise RuntimeError(
+                            f"{rounds} sampling rounds gave only {len(buffer['advantages'])} of {args.batch_size} valid groups "
+                            "(dynamic sampling skips groups whose responses all score the same). Raise "
+                            "max_num_gen_batches (0 = no limit), use an easier data set or a stronger model."
+                        )
+                    continue
+                self.metrics["num_gen_batches"].append(rounds)
+                rounds = 0
+                micro_batch = {key: buffer[key][: args.batch_size] or None for key in keys}
+                buffer = {key: buffer[key][args.batch_size :] for key in keys}
+                self.input_buffer[idx % args.gradient_accumulation_steps] = pad_and_cat_groups(micro_batch, self.tokenizer.pad_token_id)
+                if (idx + 1) % args.gradient_accumulation_steps == 0:
+                    num_step_tokens = sum(int(b["action_mask"].sum()) for b in self.input_buffer)
+                    for _ in range(args.num_iterations):
+                        for step, inputs in enumerate(self.input_buffer):
+                            inputs["num_step_tokens"] = num_step_tokens
+                            self.train_step(self.model, inputs, self.optimizer, step)
+                        self.update_steps += 1
+                        self.log_step(progress)
+                        if self.update_steps % args.eval_steps == 0:
+                            self.evaluate_and_log()
+                        if self.update_steps % args.save_steps == 0:
+                            self.save_checkpoint()
+                        if self.update_steps == args.max_steps:
+                            return
+                idx += 1
+
+    def log_step(self, progress):
+        """Summarise what this optimizer step gathered, append it to metrics.jsonl, update the bar."""
+        record = {"step": self.update_steps}
+        for key, values in self.metrics.items():
+            if key.startswith("time/") or key in ("loss", "num_tokens"):  # totals over the step
+                record[key] = sum(values)
+            elif key == "completions/length":
+                record.update({"completions/mean_length": mean(values), "completions/min_length": min(values), "completions/max_length": max(values)})
+            elif key.startswith("rewards/"):  # per reward function, as TRL names them
+                record[f"{key}/mean"], record[f"{key}/std"] = mean(values), std(values)
+            else:
+                record[key] = mean(values)
+        record["skipped_groups"] = self.skipped_groups
+        if record.get("time/training"):
+            record["train_tokens_per_second"] = record["num_tokens"] / record["time/training"]
+        if self.args.device.startswith("cuda"):
+            record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        self.metrics = defaultdict(list)
+        self.history.append(record)
+        self.append_line("metrics.jsonl", json.dumps(record, ensure_ascii=False))
+        progress.set_postfix(loss=f"{record['loss']:.4f}", reward=f"{record.get('reward', math.nan):.3f}", skipped=self.skipped_groups, refresh=False)
+        progress.update(1)
+
+    def evaluate_and_log(self):
+        accuracy = self.evaluate(num_samples=self.args.eval_samples, batch_size=self.args.eval_batch_size)
+        tqdm.write(f"step {self.update_steps}: accuracy {accuracy:.2f}")
+        self.append_line("accuracy_losses.txt", f"{self.update_steps},{accuracy:.2f}")
+        return accuracy
+
+    # ---- 5.7 evaluation ----
+    @torch.no_grad()
+    def evaluate(self, num_samples=100, batch_size=20):
+        """Accuracy of one sampled answer per problem on num_samples random test problems."""
+        if len(self.eval_dataset) > num_samples:
+            indices = torch.randperm(len(self.eval_dataset))[:num_samples].tolist()
+            eval_subset = torch.utils.data.Subset(self.eval_dataset, indices)
+        else:  # a small eval set is used whole
+            eval_subset = self.eval_dataset
+        self.model.eval()
+        correct_count, total_count = 0, 0
+        for batch in DataLoader(eval_subset, batch_size=batch_size, shuffle=False):
+            input_ids, attention_mask = self.encode_prompts(batch["prompt"])
+            prompt_response_ids = self.sample(input_ids, attention_mask)
+            # Responses start right after the padded prompt, at the same column for every row.
+            responses = self.tokenizer.batch_decode(prompt_response_ids[:, input_ids.size(1) :], skip_special_tokens=True)
+            for response, answer in zip(responses, batch["answer"]):
+                correct_count += extract_answer(response) == normalize_answer(answer)
+                total_count += 1
+        self.model.train()
+        return correct_count / total_count if total_count else 0.0
+
+    # ---- 5.8 saving ----
+    def save_checkpoint(self):
+        """output_dir/checkpoint_N with model and tokenizer, written to a temporary folder and renamed into place."""
+        final = os.path.join(self.args.output_dir, f"checkpoint_{self.update_steps}")
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        return final
+
+    def save_model(self):
+        self.model.save_pretrained(self.args.output_dir)
+        self.tokenizer.save_pretrained(self.args.output_dir)
+
+
+# ============================================================
+# 6. Entry point
+# ============================================================
+def parse_value(field, text):
+    """Convert a command-line string to a DapoArguments field's type."""
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+    if "List" in str(field.type) or "list" in kind:
+        return None if text.lower() in ("none", "") else [float(v) for v in text.split(",")]
+    if field.type in (bool, "bool"):
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true or false, got {text!r}")
+    caster = {"int": int, "float": float, "str": str}.get(kind, field.default.__class__)
+    return caster(text)
+
+
+def parse_cli(argv=None):
+    """`--field=value` for every DapoArguments field, plus --demo, --preset paper."""
+    parser = argparse.ArgumentParser(description="DAPO training on GSM8K (Chinese).")
+    parser.add_argument("--demo", action="store_true", help="train a tiny built-in world on CPU (no download)")
+    parser.add_argument("--preset", choices=["seed", "paper"], default="seed", help="seed: the notes' settings; paper: DAPO as in the paper")
+    fields = {f.name: f for f in dataclasses.fields(DapoArguments)}
+    for name in fields:
+        parser.add_argument(f"--{name}", type=str, default=None, metavar="VALUE")
+    cli = parser.parse_args(argv)
+    overrides = {}
+    for name, field in fields.items():
+        text = getattr(cli, name)
+        if text is not None:
+            try:
+                overrides[name] = parse_value(field, text)
+            except ValueError as error:
+                parser.error(f"--{name}={text}: {error}")
+    return cli, overrides
+
+
+def build_args(preset, overrides):
+    """DapoArguments from the preset and the command-line overrides (overrides win)."""
+    values = dict(overrides)
+    if preset == "paper":
+        max_len = values.get("max_generate_length", DapoArguments.max_generate_length)
+        paper = dict(PAPER_PRESET, overlong_buffer_len=max(1, max_len // 5))
+        values = {**paper, **values}
+    return DapoArguments(**values)
+
+
+def missing_inputs_message(args):
+    return (
+        f"Model folder {args.model_path!r} or data set folder {args.data_path!r} not found.\n"
+        "Download them first (about 3 GB and 5 MB):\n"
+        f"  huggingface-cli download Qwen/Qwen2.5-1.5B-Instruct --local-dir {args.model_path}\n"
+        f"  huggingface-cli download swulling/gsm8k_chinese --repo-type dataset --local-dir {args.data_path}\n"
+        "or from ModelScope:\n"
+        f"  modelscope download --model Qwen/Qwen2.5-1.5B-Instruct --local_dir {args.model_path}\n"
+        f"  modelscope download --dataset swulling/gsm8k_chinese --local_dir {args.data_path}\n"
+        "(gsm8k_chinese has 7,473 train and 1,319 test rows.) Or point --model_path/--data_path at them.\n"
+        "To see the trainer work without any download, run: python train.py --demo"
+    )
+
+
+def main(argv=None):
+    cli, overrides = parse_cli(argv)
+    if cli.demo:  # the tiny world's settings, under anything given on the command line
+        from tiny_world import DEMO_ARGS, run_demo
+
+        overrides = {**DEMO_ARGS, **overrides}
+    try:
+        args = build_args(cli.preset, overrides)
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    if cli.demo:
+        return run_demo(args)
+    if not os.path.exists(args.model_path) or not os.path.isdir(args.data_path):
+        sys.exit(missing_inputs_message(args))
+    tokenizer = load_tokenizer(args.model_path)
+    model = load_causal_lm(args.model_path)
+    train_dataset = GSM8KDataset(args.data_path, tokenizer, split="train")
+    test_dataset = GSM8KDataset(args.data_path, tokenizer, split="test")
+    trainer = DapoTrainer(
+        model=model,
+        reward_funcs=[correctness_reward, digit_reward, hard_format_reward, mark_reward],
+        args=args,
+        train_dataset=train_dataset,
+        eval_dataset=test_dataset,
+        tokenizer=tokenizer,
+    )
+    trainer.train()
+    trainer.save_model()
+    return trainer
+
+
+if __name__ == "__main__":
+    main()
