@@ -250,31 +250,21 @@ DEMO_ARGS = dict(
     eval_batch_size=20,
     save_steps=100,
 )
-DEMO_LOGS = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl")
+DEMO_LOGS = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl")
 
 
 def run_demo(args):
     """Build the tiny world under args.output_dir, train on it with the real DapoTrainer, summarise."""
-    from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
-    from train import DapoTrainer, GSM8KDataset
+    from train import build_trainer
 
     root = args.output_dir
     for name in DEMO_LOGS:  # a demo starts afresh; a real run appends, as the seed does
         if os.path.exists(os.path.join(root, name)):
             os.remove(os.path.join(root, name))
-    model_dir, data_dir = build_tiny_world(root)
-    args.model_path, args.data_path = model_dir, data_dir
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    trainer = DapoTrainer(
-        model=model_dir,
-        reward_funcs=[correctness_reward, digit_reward, hard_format_reward, mark_reward],
-        args=args,
-        train_dataset=GSM8KDataset(data_dir, tokenizer, split="train"),
-        eval_dataset=GSM8KDataset(data_dir, tokenizer, split="test"),
-        tokenizer=tokenizer,
-    )
+    args.model_path, args.data_path = build_tiny_world(root)
+    trainer = build_trainer(args)
     print(f"demo: tiny world in {root} ({len(trainer.train_dataset)} train / {len(trainer.eval_dataset)} test problems, "
-          f"vocabulary {len(tokenizer)}, {sum(p.numel() for p in trainer.model.parameters()):,} parameters)")
+          f"vocabulary {len(trainer.tokenizer)}, {sum(p.numel() for p in trainer.model.parameters()):,} parameters)")
     trainer.train()
     trainer.save_model()
     print(demo_summary(trainer))

@@ -9,8 +9,10 @@ Read it top to bottom:
     3. settings        DapoArguments (edit the defaults in place, or `--field=value`)
     4. DAPO maths      group_advantages, keep_groups, dapo_per_token_loss, aggregate_loss, ...
     5. the trainer     DapoTrainer: sample groups -> rewards -> advantages -> dynamic-sampling
-                       skip -> buffer -> clip-higher token-level loss -> gradient accumulation
-    6. entry point     python train.py [--demo] [--preset paper] [--field=value ...]
+                       skip -> buffer -> clip-higher token-level loss -> gradient accumulation;
+                       logs, evaluation, checkpoints that resume exactly
+    6. curves          plot_curves: output_dir/curves.png
+    7. entry point     python train.py [--demo] [--preset paper] [--resume=latest] [--field=value ...]
 
 Each optimizer step consumes gradient_accumulation_steps micro-batches of batch_size valid
 groups; a group is num_generations responses to one prompt.
@@ -133,6 +135,10 @@ class Samples:
 # 3. Settings
 # ============================================================
 EXPERIENCE_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "old_action_log_probs", "ref_action_log_probs", "advantages")
+LOOP_COUNTERS = ("update_steps", "epoch", "batches_done", "micro_batches", "rounds", "iteration", "skipped_groups", "truncated_prompts")
+TRAINER_STATE = "trainer_state.pt"  # in each checkpoint: optimizer, scheduler, loop state, RNG
+ARGS_FILE = "dapo_args.json"  # in each checkpoint: the DapoArguments used
+NUM_LOGGED_EXAMPLES = 4  # evaluation problems written to samples.jsonl at each evaluation
 LOSS_AGG_MODES = ("seed", "token-mean", "seq-mean-token-mean")
 FILTER_METRICS = ("reward", "correctness", "none")
 
@@ -180,7 +186,13 @@ class DapoArguments:
     eval_samples: int = 100  # random test problems per evaluation
     eval_batch_size: int = 20  # prompts per generate call during evaluation
     save_steps: int = 100  # write output_dir/checkpoint_N every this many optimizer steps
+    # --- speed and memory (same results; each switch exists to measure what it saves) ---
     bf16: bool = True  # on CUDA, autocast forward passes to bf16 (weights stay float32)
+    tf32: bool = True  # on CUDA, TF32 matmuls for what stays float32
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
+    pad_to_longest: bool = True  # pad to the longest prompt/response, not to max_prompt/generate_length
+    batch_generation: bool = True  # one generate call for all prompts of a batch, not one per prompt
+    efficient_log_probs: bool = True  # logits of response positions only, log-softmax row by row
 
     def __post_init__(self):
         self.validate()
@@ -227,15 +239,16 @@ class DapoArguments:
             raise ValueError("invalid DapoArguments: " + "; ".join(errors))
 
 
-# The paper's recipe (arXiv 2503.14476, Sec. 4 and verl's recipe/dapo), scaled to this setting.
-PAPER_PRESET = dict(
-    filter_metric="correctness",  # Eq. (11): 0 < |correct| < G
-    loss_agg_mode="token-mean",  # Eq. (12): token-level policy gradient loss
-    overlong_buffer_len=None,  # Eq. (13): L_cache = max_generate_length // 5 (4096 of 20480 in the paper)
-    weight_decay=0.1,
-    warmup_steps=10,
-    max_grad_norm=1.0,
-)
+def paper_preset(max_generate_length):
+    """The paper's recipe (arXiv 2503.14476, Sec. 3-4; verl's recipe/dapo), scaled to this setting."""
+    return dict(
+        filter_metric="correctness",  # Eq. (11): keep groups with 0 < |correct| < G
+        loss_agg_mode="token-mean",  # Eq. (12): token-level policy-gradient loss over the whole step
+        overlong_buffer_len=max(1, max_generate_length // 5),  # Eq. (13): L_cache = 4096 of L_max = 20480
+        weight_decay=0.1,  # AdamW
+        warmup_steps=10,
+        max_grad_norm=1.0,
+    )
 
 
 # ============================================================
@@ -430,6 +443,11 @@ class DapoTrainer:
         if isinstance(model, str):
             model = load_causal_lm(model)
         self.model = model.to(device=args.device, dtype=torch.float32)
+        if args.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        if args.tf32 and args.device.startswith("cuda"):
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         self.ref_model = None  # beta == 0: no reference model, half the memory
         if args.beta != 0.0:
             self.ref_model = deepcopy(self.model).eval().requires_grad_(False)
@@ -475,12 +493,23 @@ class DapoTrainer:
 
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
-        self.input_buffer = [None] * args.gradient_accumulation_steps
+        self.input_buffer = [None] * args.gradient_accumulation_steps  # the micro-batches of one optimizer step
+        self.buffer = {key: [] for key in EXPERIENCE_KEYS}  # valid groups waiting for a micro-batch
+        # Where the loop is (LOOP_COUNTERS): saved in checkpoints, so that a resumed run continues exactly.
         self.update_steps = 0  # optimizer steps taken
+        self.epoch = 0  # current pass over the training prompts
+        self.batches_done = 0  # DataLoader batches consumed in this epoch
+        self.micro_batches = 0  # micro-batches filled in this epoch (the seed's idx)
+        self.rounds = 0  # sampling rounds since the last micro-batch was filled
+        self.iteration = args.num_iterations  # passes done over input_buffer; num_iterations = none pending
         self.skipped_groups = 0  # groups dropped by dynamic sampling, all run long
         self.truncated_prompts = 0  # prompts longer than max_prompt_length (cut from the left)
+        self.boundary = self.loop_state()  # the loop state after the last finished step
+        self.resumed = False
         self.metrics = defaultdict(list)  # values gathered since the last optimizer step
         self.history = []  # one metrics dict per optimizer step (also written to metrics.jsonl)
+        self.last_accuracy = math.nan
+        self.eval_examples = []  # the last evaluation's first few problems, for samples.jsonl
 
     # ---- set-up helpers ----
     def get_tokenizer(self, tokenizer):
@@ -565,7 +594,7 @@ class DapoTrainer:
                 f"{self.args.max_prompt_length} tokens and lost their beginning"
             )
         token_ids = [ids[-self.args.max_prompt_length :] for ids in token_ids]
-        width = max(len(ids) for ids in token_ids)
+        width = max(len(ids) for ids in token_ids) if self.args.pad_to_longest else self.args.max_prompt_length
         input_ids = torch.full((len(token_ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(token_ids), width), dtype=torch.long)
         for row, ids in enumerate(token_ids):
@@ -585,17 +614,28 @@ class DapoTrainer:
             self.model.generation_config = saved_config
 
     def generate_samples(self, inputs):
-        """num_generations responses to each prompt of the batch, in one generate call: a list of Samples."""
+        """num_generations responses to each prompt of the batch: a list of Samples, one per prompt.
+
+        All prompts share one generate call (batch_size x num_generations rows), unless
+        batch_generation is off (the seed: one call per prompt).
+        """
         self.model.eval()
         prompts = list(inputs["prompt"])
         answers = list(inputs["answer"]) if "answer" in inputs else [None] * len(prompts)
+        if self.args.batch_generation:
+            return self.sample_groups(prompts, answers)
+        return [samples for prompt, answer in zip(prompts, answers) for samples in self.sample_groups([prompt], [answer])]
+
+    def sample_groups(self, prompts, answers):
         G = self.args.num_generations
         prompt_ids, prompt_mask = self.encode_prompts(prompts)  # [B, P]
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
         prompt_response_ids = self.sample(prompt_ids, prompt_mask)  # [B*G, P+T]
-        P = prompt_ids.size(1)
-        response_ids = prompt_response_ids[:, P:]  # [B*G, T]
+        response_ids = prompt_response_ids[:, prompt_ids.size(1) :]  # [B*G, T]
         action_mask = response_mask(response_ids, self.eos_token_ids, response_ids.size(1))  # [B*G, T]
+        if not self.args.pad_to_longest:  # the seed's fixed width
+            response_ids = F.pad(response_ids, (0, self.args.max_generate_length - response_ids.size(1)))
+            action_mask = F.pad(action_mask, (0, self.args.max_generate_length - action_mask.size(1)))
         response_ids = response_ids.masked_fill(action_mask == 0, self.tokenizer.pad_token_id)
         prompt_response_ids = torch.cat([prompt_ids, response_ids], dim=1)
         # From the masks, not from `!= pad_token_id`: a pad token that is also the EOS (SmolLM,
@@ -738,11 +778,16 @@ class DapoTrainer:
         Position ids follow the attention mask, as in generate, so left padding does not shift them.
         """
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+        labels = input_ids[:, -num_actions:]  # [N, T]
+        keep = num_actions + 1 if self.args.efficient_log_probs else 0  # 0 = every position
         with self.autocast():
-            logits = model(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=num_actions + 1
-            ).logits[:, :-1]  # [N, T, V]
-        log_probs = selective_log_softmax(logits, input_ids[:, -num_actions:])  # [N, T]
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep).logits
+        if self.args.efficient_log_probs:
+            logits = logits[:, :-1]  # [N, T, V]
+            log_probs = selective_log_softmax(logits, labels)  # [N, T]
+        else:  # the seed: a float32 log-softmax over every position, [N, P+T-1, V]
+            log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)[:, -num_actions:]
+            logits = logits[:, -num_actions - 1 : -1]
         if not with_entropy:
             return log_probs
         with torch.no_grad():
@@ -777,57 +822,89 @@ class DapoTrainer:
     # ---- 5.6 the training loop ----
     def train(self):
         args = self.args
-        self.evaluate_and_log()
+        if not self.resumed:  # a resumed run evaluated before its checkpoint
+            self.evaluate_and_log()
         self.global_steps = args.num_iterations * args.epoch * len(self.train_dataset) // (args.batch_size * args.gradient_accumulation_steps)
         if args.max_steps:
             self.global_steps = min(self.global_steps, args.max_steps)
-        with tqdm(total=self.global_steps, desc="DAPO", unit="step", dynamic_ncols=True, mininterval=1.0) as progress:
-            self.train_epochs(progress)
+        with tqdm(total=self.global_steps, initial=self.update_steps, desc="DAPO", unit="step", dynamic_ncols=True, mininterval=1.0) as self.progress:
+            try:
+                self.train_epochs()
+            except KeyboardInterrupt:
+                path = self.save_checkpoint()
+                tqdm.write(f"interrupted: saved {path}; continue with: python train.py --resume={path}")
+                raise
 
-    def train_epochs(self, progress):
+    def train_epochs(self):
+        """Algorithm 1: sample, filter, buffer; every gradient_accumulation_steps micro-batches, optimize."""
         args = self.args
-        keys = EXPERIENCE_KEYS
-        for _ in range(args.epoch):
-            dataloader = DataLoader(self.train_dataset, batch_size=args.batch_size, shuffle=True)
-            buffer = {key: [] for key in keys}  # valid groups waiting for a micro-batch
-            idx = 0  # micro-batches filled this epoch
-            rounds = 0  # sampling rounds since the last micro-batch was filled
-            for batch in dataloader:
-                experiences = self.generate_experiences(batch)
-                rounds += 1
-                for key in keys:
-                    if experiences[key] is not None:
-                        buffer[key] += experiences[key]
-                if len(buffer["advantages"]) < args.batch_size:
-                    if args.max_num_gen_batches and rounds >= args.max_num_gen_batches:
-                        raise RuntimeError(
-                            f"{rounds} sampling rounds gave only {len(buffer['advantages'])} of {args.batch_size} valid groups "
-                            "(dynamic sampling skips groups whose responses all score the same). Raise "
-                            "max_num_gen_batches (0 = no limit), use an easier data set or a stronger model."
-                        )
+        if self.iteration < args.num_iterations and self.optimize():  # resumed between two passes of a step
+            return
+        while self.epoch < args.epoch:
+            # A seeded order per epoch, so that a resumed run can skip the batches already consumed.
+            order = torch.Generator().manual_seed(args.seed + self.epoch)
+            dataloader = DataLoader(self.train_dataset, batch_size=args.batch_size, shuffle=True, generator=order)
+            for batch_index, batch in enumerate(dataloader):
+                if batch_index < self.batches_done:
                     continue
-                self.metrics["num_gen_batches"].append(rounds)
-                rounds = 0
-                micro_batch = {key: buffer[key][: args.batch_size] or None for key in keys}
-                buffer = {key: buffer[key][args.batch_size :] for key in keys}
-                self.input_buffer[idx % args.gradient_accumulation_steps] = pad_and_cat_groups(micro_batch, self.tokenizer.pad_token_id)
-                if (idx + 1) % args.gradient_accumulation_steps == 0:
-                    num_step_tokens = sum(int(b["action_mask"].sum()) for b in self.input_buffer)
-                    for _ in range(args.num_iterations):
-                        for step, inputs in enumerate(self.input_buffer):
-                            inputs["num_step_tokens"] = num_step_tokens
-                            self.train_step(self.model, inputs, self.optimizer, step)
-                        self.update_steps += 1
-                        self.log_step(progress)
-                        if self.update_steps % args.eval_steps == 0:
-                            self.evaluate_and_log()
-                        if self.update_steps % args.save_steps == 0:
-                            self.save_checkpoint()
-                        if self.update_steps == args.max_steps:
-                            return
-                idx += 1
+                self.batches_done += 1
+                if self.fill_micro_batch(batch) and self.optimize():
+                    return
+            self.epoch, self.batches_done, self.micro_batches, self.rounds = self.epoch + 1, 0, 0, 0
+            self.buffer = {key: [] for key in EXPERIENCE_KEYS}  # the seed's buffer lives for one epoch
 
-    def log_step(self, progress):
+    def fill_micro_batch(self, batch):
+        """Sample one batch into the buffer; file batch_size valid groups as the next micro-batch.
+
+        Returns True when the optimizer step's gradient_accumulation_steps micro-batches are ready.
+        """
+        args = self.args
+        experiences = self.generate_experiences(batch)
+        self.rounds += 1
+        for key in EXPERIENCE_KEYS:
+            if experiences[key] is not None:
+                self.buffer[key] += experiences[key]
+        if len(self.buffer["advantages"]) < args.batch_size:
+            if args.max_num_gen_batches and self.rounds >= args.max_num_gen_batches:
+                raise RuntimeError(
+                    f"{self.rounds} sampling rounds gave only {len(self.buffer['advantages'])} of {args.batch_size} valid groups "
+                    "(dynamic sampling skips groups whose responses all score the same). Raise "
+                    "max_num_gen_batches (0 = no limit), use an easier data set or a stronger model."
+                )
+            return False
+        self.metrics["num_gen_batches"].append(self.rounds)
+        self.rounds = 0
+        micro_batch = {key: self.buffer[key][: args.batch_size] or None for key in EXPERIENCE_KEYS}
+        self.buffer = {key: self.buffer[key][args.batch_size :] for key in EXPERIENCE_KEYS}
+        self.input_buffer[self.micro_batches % args.gradient_accumulation_steps] = pad_and_cat_groups(micro_batch, self.tokenizer.pad_token_id)
+        self.micro_batches += 1
+        if self.micro_batches % args.gradient_accumulation_steps:
+            return False
+        self.iteration = 0
+        return True
+
+    def optimize(self):
+        """num_iterations optimizer steps over the buffered micro-batches; True once max_steps is reached."""
+        args = self.args
+        num_step_tokens = sum(int(inputs["action_mask"].sum()) for inputs in self.input_buffer)  # for "token-mean"
+        while self.iteration < args.num_iterations:
+            for step, inputs in enumerate(self.input_buffer):
+                inputs["num_step_tokens"] = num_step_tokens
+                self.train_step(self.model, inputs, self.optimizer, step)
+            self.iteration += 1
+            self.update_steps += 1
+            self.log_step()
+            if self.update_steps % args.eval_steps == 0:
+                self.evaluate_and_log()
+            self.boundary = self.loop_state()  # what a checkpoint, also one written on Ctrl-C, resumes from
+            if self.update_steps % args.save_steps == 0:
+                self.save_checkpoint()
+            if self.update_steps == args.max_steps:
+                return True
+        return False
+
+    # ---- 5.7 logging ----
+    def log_step(self):
         """Summarise what this optimizer step gathered, append it to metrics.jsonl, update the bar."""
         record = {"step": self.update_steps}
         for key, values in self.metrics.items():
@@ -835,11 +912,14 @@ class DapoTrainer:
                 record[key] = sum(values)
             elif key == "completions/length":
                 record.update({"completions/mean_length": mean(values), "completions/min_length": min(values), "completions/max_length": max(values)})
+                record["sampled_tokens"] = sum(values)
             elif key.startswith("rewards/"):  # per reward function, as TRL names them
                 record[f"{key}/mean"], record[f"{key}/std"] = mean(values), std(values)
             else:
                 record[key] = mean(values)
         record["skipped_groups"] = self.skipped_groups
+        if record.get("time/sampling"):
+            record["sampled_tokens_per_second"] = record["sampled_tokens"] / record["time/sampling"]
         if record.get("time/training"):
             record["train_tokens_per_second"] = record["num_tokens"] / record["time/training"]
         if self.args.device.startswith("cuda"):
@@ -847,19 +927,32 @@ class DapoTrainer:
         self.metrics = defaultdict(list)
         self.history.append(record)
         self.append_line("metrics.jsonl", json.dumps(record, ensure_ascii=False))
-        progress.set_postfix(loss=f"{record['loss']:.4f}", reward=f"{record.get('reward', math.nan):.3f}", skipped=self.skipped_groups, refresh=False)
-        progress.update(1)
+        self.progress.set_postfix(
+            loss=f"{record['loss']:.4f}",
+            reward=f"{record.get('reward', math.nan):.3f}",
+            skipped=f"{record.get('frac_groups_skipped', 0.0):.2f}",
+            acc=f"{self.last_accuracy:.2f}",
+            refresh=False,
+        )
+        self.progress.update(1)
 
     def evaluate_and_log(self):
-        accuracy = self.evaluate(num_samples=self.args.eval_samples, batch_size=self.args.eval_batch_size)
-        tqdm.write(f"step {self.update_steps}: accuracy {accuracy:.2f}")
-        self.append_line("accuracy_losses.txt", f"{self.update_steps},{accuracy:.2f}")
-        return accuracy
+        """Evaluate; append to accuracy_losses.txt and samples.jsonl; redraw curves.png."""
+        self.last_accuracy = self.evaluate(num_samples=self.args.eval_samples, batch_size=self.args.eval_batch_size)
+        tqdm.write(f"step {self.update_steps}: accuracy {self.last_accuracy:.2f}")
+        self.append_line("accuracy_losses.txt", f"{self.update_steps},{self.last_accuracy:.2f}")
+        for sample in self.eval_examples:
+            self.append_line("samples.jsonl", json.dumps({"step": self.update_steps, **sample}, ensure_ascii=False))
+        plot_curves(self.args.output_dir)
+        return self.last_accuracy
 
-    # ---- 5.7 evaluation ----
+    # ---- 5.8 evaluation ----
     @torch.no_grad()
     def evaluate(self, num_samples=100, batch_size=20):
-        """Accuracy of one sampled answer per problem on num_samples random test problems."""
+        """Accuracy of one sampled answer per problem on num_samples random test problems.
+
+        Also keeps the first few problems with their responses and rewards in self.eval_examples.
+        """
         if len(self.eval_dataset) > num_samples:
             indices = torch.randperm(len(self.eval_dataset))[:num_samples].tolist()
             eval_subset = torch.utils.data.Subset(self.eval_dataset, indices)
@@ -867,36 +960,196 @@ class DapoTrainer:
             eval_subset = self.eval_dataset
         self.model.eval()
         correct_count, total_count = 0, 0
+        self.eval_examples = []
         for batch in DataLoader(eval_subset, batch_size=batch_size, shuffle=False):
             input_ids, attention_mask = self.encode_prompts(batch["prompt"])
-            prompt_response_ids = self.sample(input_ids, attention_mask)
             # Responses start right after the padded prompt, at the same column for every row.
-            responses = self.tokenizer.batch_decode(prompt_response_ids[:, input_ids.size(1) :], skip_special_tokens=True)
+            response_ids = self.sample(input_ids, attention_mask)[:, input_ids.size(1) :]
+            responses = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
             for response, answer in zip(responses, batch["answer"]):
                 correct_count += extract_answer(response) == normalize_answer(answer)
                 total_count += 1
+            if len(self.eval_examples) < NUM_LOGGED_EXAMPLES:
+                self.eval_examples += self.describe_examples(batch, responses, response_ids)[: NUM_LOGGED_EXAMPLES - len(self.eval_examples)]
         self.model.train()
         return correct_count / total_count if total_count else 0.0
 
-    # ---- 5.8 saving ----
+    def describe_examples(self, batch, responses, response_ids):
+        """Evaluation examples as samples.jsonl records: prompt, response, answers and each reward."""
+        lengths = response_mask(response_ids, self.eos_token_ids, response_ids.size(1)).sum(dim=1).tolist()
+        answers = list(batch["answer"])
+        rewards = self.score_rewards(list(batch["prompt"]), responses, answers, lengths)  # [N, F]
+        return [
+            {
+                "prompt": prompt,
+                "response": response,
+                "extracted_answer": extract_answer(response),
+                "answer": normalize_answer(answer),
+                "rewards": {name: None if math.isnan(value) else value for name, value in zip(self.reward_names, row.tolist())},
+            }
+            for prompt, response, answer, row in zip(batch["prompt"], responses, answers, rewards)
+        ]
+
+    # ---- 5.9 checkpoints and resuming ----
+    def loop_state(self):
+        """Everything besides weights and optimizer that a resumed run needs to continue exactly."""
+        args = self.args
+        return {
+            **{key: getattr(self, key) for key in LOOP_COUNTERS},
+            "buffer": {key: list(values) for key, values in self.buffer.items()},
+            # Pending passes of num_iterations > 1 need the step's micro-batches; otherwise they are spent.
+            "input_buffer": list(self.input_buffer) if self.iteration < args.num_iterations else None,
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if args.device.startswith("cuda") else [],
+        }
+
     def save_checkpoint(self):
-        """output_dir/checkpoint_N with model and tokenizer, written to a temporary folder and renamed into place."""
-        final = os.path.join(self.args.output_dir, f"checkpoint_{self.update_steps}")
+        """output_dir/checkpoint_N: model, tokenizer, optimizer, scheduler, loop position, RNG, arguments.
+
+        Written to checkpoint_N.tmp and renamed into place, so a crash never leaves a complete-looking
+        half checkpoint. The loop state is the last step boundary's (self.boundary).
+        """
+        state = self.boundary if self.boundary["update_steps"] == self.update_steps else self.loop_state()
+        final = os.path.join(self.args.output_dir, f"checkpoint_{state['update_steps']}")
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
+        torch.save(
+            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), **state},
+            os.path.join(tmp, TRAINER_STATE),
+        )
+        with open(os.path.join(tmp, ARGS_FILE), "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(self.args), f, indent=2)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         return final
+
+    def resume(self, checkpoint):
+        """Continue from a checkpoint: weights, optimizer, scheduler, loop position and RNG; the logs
+        in output_dir are cut back to its step so that no line is written twice."""
+        state = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location=self.args.device, weights_only=True)
+        self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict())
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        for key in LOOP_COUNTERS:
+            setattr(self, key, state[key])
+        self.buffer = state["buffer"]
+        if state["input_buffer"] is not None:
+            self.input_buffer = state["input_buffer"]
+        torch.set_rng_state(state["rng"].cpu())
+        if state["cuda_rng"]:
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
+        self.boundary = self.loop_state()
+        self.resumed = True
+        step = self.update_steps
+        out = self.args.output_dir
+        # training_losses lines carry the steps finished *before* their micro-step; the others, their step.
+        cut_log(os.path.join(out, "training_losses.txt"), lambda line: int(line.split(",")[0]) < step)
+        cut_log(os.path.join(out, "accuracy_losses.txt"), lambda line: int(line.split(",")[0]) <= step)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            cut_log(os.path.join(out, name), lambda line: json.loads(line)["step"] <= step)
+        self.history = read_jsonl(os.path.join(out, "metrics.jsonl"))
 
     def save_model(self):
         self.model.save_pretrained(self.args.output_dir)
         self.tokenizer.save_pretrained(self.args.output_dir)
 
 
+def cut_log(path, keep):
+    """Rewrite a log keeping the lines for which keep(line) holds (atomically: tmp file + rename)."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip() and keep(line)]
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(lines)
+    os.replace(path + ".tmp", path)
+
+
+def read_jsonl(path):
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def find_checkpoint(resume, output_dir):
+    """--resume=output/checkpoint_N, or --resume=latest: the highest-numbered one in output_dir."""
+    if resume != "latest":
+        if not os.path.isfile(os.path.join(resume, TRAINER_STATE)):
+            raise FileNotFoundError(f"{resume!r} is not a checkpoint folder (no {TRAINER_STATE} in it)")
+        return resume
+    steps = [
+        int(name.split("_")[1])
+        for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
+        if name.startswith("checkpoint_") and name.split("_")[1].isdigit() and os.path.isfile(os.path.join(output_dir, name, TRAINER_STATE))
+    ]
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint to resume in {output_dir!r}")
+    return os.path.join(output_dir, f"checkpoint_{max(steps)}")
+
+
 # ============================================================
-# 6. Entry point
+# 6. Curves: output_dir/curves.png
+# ============================================================
+def read_seed_log(path):
+    """{step: value} from a seed-format text log ("step,value" lines); values of one step are summed."""
+    values = defaultdict(float)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    step, value = line.strip().split(",")
+                    values[int(step)] += float(value)
+    return dict(values)
+
+
+def plot_curves(output_dir):
+    """Draw output_dir/curves.png from the logs there; the seed's two text files are enough.
+
+    Panels: loss and accuracy (the text files), and from metrics.jsonl when present: mean reward,
+    total and per function; response length; fraction of groups skipped by dynamic sampling.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # A micro-step line "k,loss" belongs to optimizer step k + 1; its lines add up to that step's loss.
+    losses = {step + 1: value for step, value in read_seed_log(os.path.join(output_dir, "training_losses.txt")).items()}
+    accuracy = read_seed_log(os.path.join(output_dir, "accuracy_losses.txt"))
+    records = read_jsonl(os.path.join(output_dir, "metrics.jsonl"))
+    panels = [("loss", {"loss": losses}), ("accuracy", {"accuracy": accuracy})]
+    if records:
+        series = lambda key: {r["step"]: r[key] for r in records if key in r}  # noqa: E731
+        reward_keys = sorted({key for r in records for key in r if key.startswith("rewards/") and key.endswith("/mean")})
+        panels += [
+            ("mean reward", {"total": series("reward"), **{key.split("/")[1]: series(key) for key in reward_keys}}),
+            ("response length (tokens)", {"mean": series("completions/mean_length"), "max": series("completions/max_length")}),
+            ("groups skipped (fraction)", {"skipped": series("frac_groups_skipped")}),
+        ]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels)), sharex=True, squeeze=False)
+    for ax, (title, lines) in zip(axes[:, 0], panels):
+        for label, points in lines.items():
+            if points:
+                steps = sorted(points)
+                ax.plot(steps, [points[s] for s in steps], marker="." if len(steps) < 30 else None, label=label)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        if len(lines) > 1:
+            ax.legend(fontsize=8)
+    axes[-1, 0].set_xlabel("update step")
+    fig.tight_layout()
+    path = os.path.join(output_dir, "curves.png")
+    fig.savefig(path + ".tmp.png", dpi=100)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
+    return path
+
+
+# ============================================================
+# 7. Entry point
 # ============================================================
 def parse_value(field, text):
     """Convert a command-line string to a DapoArguments field's type."""
@@ -914,10 +1167,12 @@ def parse_value(field, text):
 
 
 def parse_cli(argv=None):
-    """`--field=value` for every DapoArguments field, plus --demo, --preset paper."""
-    parser = argparse.ArgumentParser(description="DAPO training on GSM8K (Chinese).")
+    """`--field=value` for every DapoArguments field, plus --demo, --preset, --resume and --plot."""
+    parser = argparse.ArgumentParser(description="DAPO training on GSM8K (Chinese).", allow_abbrev=False)
     parser.add_argument("--demo", action="store_true", help="train a tiny built-in world on CPU (no download)")
     parser.add_argument("--preset", choices=["seed", "paper"], default="seed", help="seed: the notes' settings; paper: DAPO as in the paper")
+    parser.add_argument("--resume", metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest' in output_dir")
+    parser.add_argument("--plot", metavar="DIR", help="draw DIR/curves.png from an existing output folder, then exit")
     fields = {f.name: f for f in dataclasses.fields(DapoArguments)}
     for name in fields:
         parser.add_argument(f"--{name}", type=str, default=None, metavar="VALUE")
@@ -935,12 +1190,10 @@ def parse_cli(argv=None):
 
 def build_args(preset, overrides):
     """DapoArguments from the preset and the command-line overrides (overrides win)."""
-    values = dict(overrides)
     if preset == "paper":
-        max_len = values.get("max_generate_length", DapoArguments.max_generate_length)
-        paper = dict(PAPER_PRESET, overlong_buffer_len=max(1, max_len // 5))
-        values = {**paper, **values}
-    return DapoArguments(**values)
+        max_generate_length = overrides.get("max_generate_length", DapoArguments.max_generate_length)
+        overrides = {**paper_preset(max_generate_length), **overrides}
+    return DapoArguments(**overrides)
 
 
 def missing_inputs_message(args):
@@ -957,12 +1210,33 @@ def missing_inputs_message(args):
     )
 
 
+def build_trainer(args):
+    """The seed's run: policy and tokenizer from model_path, GSM8K from data_path, the four rewards."""
+    tokenizer = load_tokenizer(args.model_path)
+    return DapoTrainer(
+        model=load_causal_lm(args.model_path),
+        reward_funcs=[correctness_reward, digit_reward, hard_format_reward, mark_reward],
+        args=args,
+        train_dataset=GSM8KDataset(args.data_path, tokenizer, split="train"),
+        eval_dataset=GSM8KDataset(args.data_path, tokenizer, split="test"),
+        tokenizer=tokenizer,
+    )
+
+
 def main(argv=None):
     cli, overrides = parse_cli(argv)
+    if cli.plot:
+        print(f"wrote {plot_curves(cli.plot)}")
+        return None
     if cli.demo:  # the tiny world's settings, under anything given on the command line
         from tiny_world import DEMO_ARGS, run_demo
 
         overrides = {**DEMO_ARGS, **overrides}
+    checkpoint = None
+    if cli.resume:  # the checkpoint's arguments, under anything given on the command line
+        checkpoint = find_checkpoint(cli.resume, overrides.get("output_dir", DapoArguments.output_dir))
+        with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as f:
+            overrides = {**json.load(f), **overrides}
     try:
         args = build_args(cli.preset, overrides)
     except ValueError as error:
@@ -971,19 +1245,13 @@ def main(argv=None):
         return run_demo(args)
     if not os.path.exists(args.model_path) or not os.path.isdir(args.data_path):
         sys.exit(missing_inputs_message(args))
-    tokenizer = load_tokenizer(args.model_path)
-    model = load_causal_lm(args.model_path)
-    train_dataset = GSM8KDataset(args.data_path, tokenizer, split="train")
-    test_dataset = GSM8KDataset(args.data_path, tokenizer, split="test")
-    trainer = DapoTrainer(
-        model=model,
-        reward_funcs=[correctness_reward, digit_reward, hard_format_reward, mark_reward],
-        args=args,
-        train_dataset=train_dataset,
-        eval_dataset=test_dataset,
-        tokenizer=tokenizer,
-    )
-    trainer.train()
+    trainer = build_trainer(args)
+    if checkpoint:
+        trainer.resume(checkpoint)
+    try:
+        trainer.train()
+    except KeyboardInterrupt:  # train() saved a checkpoint and said how to resume
+        sys.exit(130)
     trainer.save_model()
     return trainer
 

@@ -29,7 +29,8 @@ def make_trainer(world, tmp_path):
     model_dir, data_dir = world
 
     def make(reward_funcs=None, model=None, **overrides):
-        args = DapoArguments(model_path=model_dir, data_path=data_dir, output_dir=str(tmp_path / "output"), **{**FAST, **overrides})
+        settings = {"model_path": model_dir, "data_path": data_dir, "output_dir": str(tmp_path / "output"), **FAST, **overrides}
+        args = DapoArguments(**settings)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         return DapoTrainer(
             model=model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir),

@@ -2,16 +2,16 @@
 
 import os
 
-from tiny_world import DEMO_ARGS, demo_summary, run_demo
-from train import build_args
+from tiny_world import demo_summary
+from train import main
 
 
 def test_demo_learns_in_300_steps(tmp_path):
     # The setting: synthetic Chinese +/- problems, ~120-token BPE, 2-layer hidden-64 Qwen2,
     # lr 1e-3, num_generations 8, max_generate_length 32, seed 42, 300 update steps.
-    args = build_args("seed", {**DEMO_ARGS, "output_dir": str(tmp_path / "demo"), "eval_steps": 100})
+    trainer = main(["--demo", f"--output_dir={tmp_path / 'demo'}", "--eval_steps=100"])
+    args = trainer.args
     assert (args.lr, args.num_generations, args.max_generate_length, args.max_steps, args.seed) == (1e-3, 8, 32, 300, 42)
-    trainer = run_demo(args)
     rewards = [record["reward"] for record in trainer.history]
     assert trainer.update_steps == 300 and len(rewards) == 300
     first, last = sum(rewards[:50]) / 50, sum(rewards[-50:]) / 50
