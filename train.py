@@ -37,6 +37,7 @@ from typing import Any, Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
+from datasets import load_dataset
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 from transformers import (
@@ -89,7 +90,7 @@ class GSM8KDataset(Dataset):
                 "`huggingface-cli download swulling/gsm8k_chinese --repo-type dataset --local-dir "
                 f"{data_path}` (or from ModelScope), or set --data_path."
             )
-        data = load_local_dataset(data_path)
+        data = load_dataset(data_path)
         if "test" not in data and "train" in data:
             data = data["train"].train_test_split(test_size=test_size, seed=0)
         if split not in data:
@@ -110,12 +111,6 @@ class GSM8KDataset(Dataset):
         return {"prompt": sample[QUESTION_COLUMN], "answer": sample[ANSWER_COLUMN]}
 
 
-def load_local_dataset(data_path):
-    from datasets import load_dataset  # imported here: it is slow to import and only needed once
-
-    return load_dataset(data_path)
-
-
 # ============================================================
 # 2. One group: num_generations responses to one prompt
 # ============================================================
@@ -131,14 +126,14 @@ class Samples:
     response_length: int  # [G] number of response tokens (EOS included)
 
 
+# What generate_experiences returns for each kept group (lists, one tensor per group), and what
+# a micro-batch holds (the groups padded and concatenated).
+EXPERIENCE_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "old_action_log_probs", "ref_action_log_probs", "advantages")
+
+
 # ============================================================
 # 3. Settings
 # ============================================================
-EXPERIENCE_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "old_action_log_probs", "ref_action_log_probs", "advantages")
-LOOP_COUNTERS = ("update_steps", "epoch", "batches_done", "micro_batches", "rounds", "iteration", "skipped_groups", "truncated_prompts")
-TRAINER_STATE = "trainer_state.pt"  # in each checkpoint: optimizer, scheduler, loop state, RNG
-ARGS_FILE = "dapo_args.json"  # in each checkpoint: the DapoArguments used
-NUM_LOGGED_EXAMPLES = 4  # evaluation problems written to samples.jsonl at each evaluation
 LOSS_AGG_MODES = ("seed", "token-mean", "seq-mean-token-mean")
 FILTER_METRICS = ("reward", "correctness", "none")
 
@@ -292,6 +287,12 @@ def response_mask(response_ids, eos_token_ids, generated_length):
     return (positions.unsqueeze(0) < length.unsqueeze(1)).long()
 
 
+def is_truncated(response_ids, response_lengths, eos_token_ids):
+    """[N] bool: the response ran out of budget, i.e. its last kept token is not an EOS."""
+    last_token = response_ids.gather(1, (response_lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    return ~torch.isin(last_token, torch.tensor(eos_token_ids, device=response_ids.device))
+
+
 def selective_log_softmax(logits, labels):
     """log softmax(logits)[label] without materialising a [N, T, V] float32 log-softmax.
 
@@ -422,6 +423,13 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(path)
 
 
+# Where the training loop is: saved in checkpoints, so that a resumed run continues exactly.
+LOOP_COUNTERS = ("update_steps", "epoch", "batches_done", "micro_batches", "rounds", "iteration", "skipped_groups", "truncated_prompts")
+TRAINER_STATE = "trainer_state.pt"  # in each checkpoint: optimizer, scheduler, loop state, RNG
+ARGS_FILE = "dapo_args.json"  # in each checkpoint: the DapoArguments used
+NUM_LOGGED_EXAMPLES = 4  # evaluation problems written to samples.jsonl at each evaluation
+
+
 class DapoTrainer:
     def __init__(
         self,
@@ -459,9 +467,10 @@ class DapoTrainer:
 
         self.reward_funcs, self.reward_tokenizers = self.load_reward_funcs(reward_funcs, reward_tokenizers)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
-        weights = args.reward_weights or [1.0] * len(reward_funcs or [])
-        if args.overlong_buffer_len > 0 and len(weights) == len(self.reward_funcs) - 1:
-            weights = list(weights) + [1.0]  # the punishment carries its own scale (penalty_factor)
+        num_user_funcs = len(self.reward_funcs) - (args.overlong_buffer_len > 0)
+        weights = list(args.reward_weights) if args.reward_weights else [1.0] * num_user_funcs
+        if args.overlong_buffer_len > 0 and len(weights) == num_user_funcs:
+            weights.append(1.0)  # the punishment carries its own scale (overlong_penalty_factor)
         if len(weights) != len(self.reward_funcs):
             raise ValueError(
                 f"reward_weights has {len(weights)} entries but there are {len(self.reward_funcs)} reward functions"
@@ -495,7 +504,6 @@ class DapoTrainer:
         self.eval_dataset = eval_dataset
         self.input_buffer = [None] * args.gradient_accumulation_steps  # the micro-batches of one optimizer step
         self.buffer = {key: [] for key in EXPERIENCE_KEYS}  # valid groups waiting for a micro-batch
-        # Where the loop is (LOOP_COUNTERS): saved in checkpoints, so that a resumed run continues exactly.
         self.update_steps = 0  # optimizer steps taken
         self.epoch = 0  # current pass over the training prompts
         self.batches_done = 0  # DataLoader batches consumed in this epoch
@@ -686,25 +694,27 @@ class DapoTrainer:
         answers = [s.answer for s in samples_list for _ in range(G)]
         responses = [text for s in samples_list for text in self.tokenizer.batch_decode(s.response_ids, skip_special_tokens=True)]
         lengths = torch.cat([s.response_length for s in samples_list])  # [B*G]
+        truncated = torch.cat([is_truncated(s.response_ids, s.response_length, self.eos_token_ids) for s in samples_list])  # [B*G]
         rewards_per_func = self.score_rewards(prompts, responses, answers, lengths.tolist())  # [B*G, F]
         # A None reward contributes nothing: NaNs are skipped by the weighted sum.
         rewards = (rewards_per_func * self.reward_weights).nansum(dim=1).view(-1, G)  # [B, G]
         advantages = group_advantages(rewards)  # [B, G]
-        correct = rewards_per_func[:, self.reward_names.index("correctness_reward")].view(-1, G) > 0 if "correctness_reward" in self.reward_names else None
+        correct = None  # [B, G] bool: what the paper's filter counts
+        if "correctness_reward" in self.reward_names:
+            correct = rewards_per_func[:, self.reward_names.index("correctness_reward")].view(-1, G) > 0
         keep = keep_groups(advantages, correct, args.filter_metric)  # [B]
         self.skipped_groups += int((~keep).sum())
         self.metrics["time/reward"].append(time.perf_counter() - start)
-        self.log_sampling_metrics(rewards_per_func, rewards, lengths, keep)
+        self.log_sampling_metrics(rewards_per_func, rewards, lengths, truncated, keep)
 
         start = time.perf_counter()
         experiences = defaultdict(list)
-        for samples, group_advantage, kept in zip(samples_list, advantages, keep):
+        for samples, group_advantage, group_truncated, kept in zip(samples_list, advantages, truncated.view(-1, G), keep):
             if not kept:
                 continue
-            action_mask = samples.action_mask
-            if args.overlong_filter:  # truncated responses (no EOS within the budget) teach nothing
-                ended = torch.isin(samples.response_ids, torch.tensor(self.eos_token_ids, device=action_mask.device)).any(dim=1)
-                action_mask = action_mask * ended.unsqueeze(1)
+            action_mask = samples.action_mask  # [G, T]
+            if args.overlong_filter:  # a response cut off by the length budget says nothing about its answer
+                action_mask = action_mask * ~group_truncated.unsqueeze(1)
             experiences["prompt_response_ids"].append(samples.prompt_response_ids)
             experiences["attention_mask"].append(samples.attention_mask)
             experiences["action_mask"].append(action_mask)
@@ -724,7 +734,7 @@ class DapoTrainer:
             result["ref_action_log_probs"] = None
         return result
 
-    def log_sampling_metrics(self, rewards_per_func, rewards, lengths, keep):
+    def log_sampling_metrics(self, rewards_per_func, rewards, lengths, truncated, keep):
         m = self.metrics
         m["reward"].extend(rewards.flatten().tolist())
         for name, column in zip(self.reward_names, rewards_per_func.T):
@@ -733,7 +743,7 @@ class DapoTrainer:
         m["frac_reward_zero_std"].extend((rewards.std(dim=1) == 0).float().tolist())
         m["frac_groups_skipped"].extend((~keep).float().tolist())
         m["completions/length"].extend(lengths.tolist())
-        m["completions/clipped_ratio"].extend((lengths >= self.args.max_generate_length).float().tolist())
+        m["completions/clipped_ratio"].extend(truncated.float().tolist())
 
     # ---- 5.3 the DAPO loss ----
     def compute_loss(self, model, inputs):
