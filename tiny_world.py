@@ -189,14 +189,49 @@ def build_tiny_model(
     return model
 
 
+def warm_up(model, tokenizer, texts, steps, seed=0, lr=3e-3, batch_size=32):
+    """A short supervised warm-up on (prompt, ideal response) pairs, loss on the response only.
+
+    RL then starts, as from Qwen2.5-Instruct, from a model that knows the answer format and is
+    sometimes right. From random weights it is almost never right, and the paper's dynamic sampling
+    (keep a group only if 0 < #correct < G) would skip every group.
+    """
+    examples = []
+    for prompt, response in texts:
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+        examples.append((prompt_ids + response_ids, [-100] * len(prompt_ids) + response_ids))
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
+        torch.manual_seed(seed)
+        for _ in range(steps):
+            batch = rng.sample(examples, min(batch_size, len(examples)))
+            width = max(len(ids) for ids, _ in batch)
+            input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch])
+            labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
+            lengths = torch.tensor([len(ids) for ids, _ in batch])
+            attention_mask = (torch.arange(width)[None] < lengths[:, None]).long()  # right padding
+            model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    model.eval()
+    return model
+
+
 def build_tiny_world(
-    root: str, num_train: int = 200, num_test: int = 50, seed: int = 0
+    root: str, num_train: int = 200, num_test: int = 50, seed: int = 0, warm_up_steps: int = 0
 ) -> tuple[str, str]:
-    """Write the data set to root/gsm8k_tiny and the tokenizer + model to root/tiny-qwen2."""
+    """Write the data set to root/gsm8k_tiny and the tokenizer + model to root/tiny-qwen2.
+
+    warm_up_steps > 0 first teaches the model the answer format on the training problems (warm_up).
+    """
     from train import SYSTEM_PROMPT  # imported here, so that train.py can import this module
 
     data_dir = write_dataset(os.path.join(root, "gsm8k_tiny"), num_train, num_test, seed)
-    rows = [row for split in make_splits(num_train, num_test, seed).values() for row in split]
+    splits = make_splits(num_train, num_test, seed)
+    rows = splits["train"] + splits["test"]
     # Every prompt train.py will build, plus a well-formatted answer, so that the tokenizer covers
     # all characters and the ideal completion is learnable.
     texts = [
@@ -205,6 +240,9 @@ def build_tiny_world(
     ]
     tokenizer = build_tokenizer(texts)
     model = build_tiny_model(tokenizer, seed)
+    if warm_up_steps:
+        pairs = [(chatml_prompt(SYSTEM_PROMPT, row["question_zh-cn"]), ideal_response(row) + "<|im_end|>") for row in splits["train"]]
+        warm_up(model, tokenizer, pairs, warm_up_steps, seed)
 
     model_dir = os.path.join(root, "tiny-qwen2")
     tokenizer.save_pretrained(model_dir)
@@ -250,6 +288,7 @@ DEMO_ARGS = dict(
     eval_batch_size=20,
     save_steps=100,
 )
+DEMO_WARM_UP_STEPS = 50  # supervised steps before RL: the answer format, rarely the answer
 DEMO_LOGS = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl")
 
 
@@ -261,7 +300,7 @@ def run_demo(args):
     for name in DEMO_LOGS:  # a demo starts afresh; a real run appends, as the seed does
         if os.path.exists(os.path.join(root, name)):
             os.remove(os.path.join(root, name))
-    args.model_path, args.data_path = build_tiny_world(root)
+    args.model_path, args.data_path = build_tiny_world(root, warm_up_steps=DEMO_WARM_UP_STEPS)
     trainer = build_trainer(args)
     print(f"demo: tiny world in {root} ({len(trainer.train_dataset)} train / {len(trainer.eval_dataset)} test problems, "
           f"vocabulary {len(trainer.tokenizer)}, {sum(p.numel() for p in trainer.model.parameters()):,} parameters)")

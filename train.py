@@ -239,7 +239,7 @@ def paper_preset(max_generate_length):
     return dict(
         filter_metric="correctness",  # Eq. (11): keep groups with 0 < |correct| < G
         loss_agg_mode="token-mean",  # Eq. (12): token-level policy-gradient loss over the whole step
-        overlong_buffer_len=max(1, max_generate_length // 5),  # Eq. (13): L_cache = 4096 of L_max = 20480
+        overlong_buffer_len=max_generate_length // 5,  # Eq. (13): L_cache = 4096 of L_max = 20480
         weight_decay=0.1,  # AdamW
         warmup_steps=10,
         max_grad_norm=1.0,
@@ -453,9 +453,8 @@ class DapoTrainer:
         self.model = model.to(device=args.device, dtype=torch.float32)
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        if args.tf32 and args.device.startswith("cuda"):
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        if args.device.startswith("cuda"):  # process-wide switches: set both ways
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
         self.ref_model = None  # beta == 0: no reference model, half the memory
         if args.beta != 0.0:
             self.ref_model = deepcopy(self.model).eval().requires_grad_(False)
@@ -768,8 +767,10 @@ class DapoTrainer:
             num_step_tokens=inputs.get("num_step_tokens"),
             num_micro_steps=args.gradient_accumulation_steps,
         )
+        mask = action_mask.bool()
+        if not mask.any():  # every response filtered out (overlong_filter): no token to average over
+            return loss
         with torch.no_grad():  # diagnostics, averaged over the micro-batch's response tokens
-            mask = action_mask.bool()
             A = advantages.unsqueeze(1).expand_as(ratio)
             self.metrics["clip_ratio/low_mean"].append(((ratio < 1 - args.clip_eps_low) & (A < 0))[mask].float().mean().item())
             self.metrics["clip_ratio/high_mean"].append(((ratio > 1 + args.clip_eps_high) & (A > 0))[mask].float().mean().item())

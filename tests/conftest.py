@@ -4,6 +4,7 @@ import os
 import sys
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,3 +43,35 @@ def make_trainer(world, tmp_path):
         )
 
     return make
+
+
+# ---------- helpers shared by the test files ----------
+def make_batch(trainer, n=1, offset=0):
+    """A DataLoader-style batch of n training problems."""
+    rows = [trainer.train_dataset[offset + i] for i in range(n)]
+    return {"prompt": [r["prompt"] for r in rows], "answer": torch.tensor([r["answer"] for r in rows])}
+
+
+def scripted_sampler(trainer, responses):
+    """Replace generation by fixed response token ids (one list per row), right-padded with pad."""
+    pad = trainer.tokenizer.pad_token_id
+
+    def sample(input_ids, attention_mask):
+        width = max(len(r) for r in responses)
+        rows = [r + [pad] * (width - len(r)) for r in responses]
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+
+    trainer.sample = sample
+
+
+def token_ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stub_log_probs(trainer, log_probs):
+    """Make the trainer's policy return fixed log-probs, so compute_loss's arithmetic is what is tested."""
+
+    def fake(model, input_ids, attention_mask, num_actions, with_entropy=False):
+        return (log_probs, torch.zeros_like(log_probs)) if with_entropy else log_probs
+
+    trainer.get_action_log_probs = fake

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from conftest import stub_log_probs
 from train import aggregate_loss, dapo_per_token_loss, group_advantages, k3_kl, keep_groups
 
 # One group of G=2 responses, T=3 tokens; old log-probs are 0, so the ratio r_t = exp(logp_t).
@@ -18,15 +19,6 @@ HAND_TOKEN_LOSSES = [-1.28, -1.1, -0.5, 0.8, 1.5]
 HAND_LOSS = sum(HAND_TOKEN_LOSSES) / 5  # the seed: a group's token sum / its 5 tokens = -0.116
 # d loss / d logp_t = -A * r_t / 5 where unclipped, 0 where clipped or masked
 HAND_GRAD = torch.tensor([[0.0, -1.1 / 5, -0.5 / 5], [0.0, 1.5 / 5, 0.0]])
-
-
-def stub_log_probs(trainer, log_probs):
-    """Make the trainer's policy return fixed log-probs, so compute_loss's arithmetic is what is tested."""
-
-    def fake(model, input_ids, attention_mask, num_actions, with_entropy=False):
-        return (log_probs, torch.zeros_like(log_probs)) if with_entropy else log_probs
-
-    trainer.get_action_log_probs = fake
 
 
 def inputs_for(log_probs, ref=None):

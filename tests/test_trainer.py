@@ -8,30 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
-from conftest import SEED_REWARDS
+from conftest import make_batch, scripted_sampler, token_ids
 from train import DapoArguments, GSM8KDataset, Samples, selective_log_softmax
 
 
-def make_batch(trainer, n=1, offset=0):
-    """A DataLoader-style batch of n training problems."""
-    rows = [trainer.train_dataset[offset + i] for i in range(n)]
-    return {"prompt": [r["prompt"] for r in rows], "answer": torch.tensor([r["answer"] for r in rows])}
-
-
-def scripted_sampler(trainer, responses):
-    """Replace generation by fixed response token ids (one list per row), right-padded with pad."""
-    pad = trainer.tokenizer.pad_token_id
-
-    def sample(input_ids, attention_mask):
-        width = max(len(r) for r in responses)
-        rows = [r + [pad] * (width - len(r)) for r in responses]
-        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
-
-    trainer.sample = sample
-
-
-def token_ids(tokenizer, text):
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def varied(prompts, responses, answers):
+    """Rewards 0, 1, 2, 3 within every group of 4: every group is kept."""
+    return [0.0, 1.0, 2.0, 3.0] * (len(responses) // 4)
 
 
 # ---------- sampling ----------
@@ -144,9 +127,6 @@ def test_equal_rewards_skip_the_group_and_count_it(make_trainer):
 
 
 def test_old_log_probs_only_when_batches_are_reused(make_trainer):
-    def varied(prompts, responses, answers):
-        return [0.0, 1.0, 2.0, 3.0] * (len(responses) // 4)
-
     for num_iterations, expected_calls in ((1, 0), (2, 2)):
         trainer = make_trainer(reward_funcs=[varied], num_iterations=num_iterations)
         calls = []
@@ -216,9 +196,6 @@ def test_optimizer_steps_follow_valid_groups(make_trainer):
 
 
 def test_batch_size_and_iterations(make_trainer):
-    def varied(prompts, responses, answers):
-        return [0.0, 1.0, 2.0, 3.0] * (len(responses) // 4)
-
     trainer = make_trainer(reward_funcs=[varied], epoch=1, batch_size=2, gradient_accumulation_steps=2, num_iterations=2, eval_steps=1000)
     steps = count_optimizer_steps(trainer)
     seen = []
@@ -244,9 +221,6 @@ def test_bf16_checkpoint_trains_in_float32(world, make_trainer, tmp_path):
     opt.step()
     big = loaded.model.embed_tokens.weight.abs() > 1e-3  # where a step of 1e-6 is below bf16's resolution
     assert big.float().mean() > 0.9 and torch.equal(w[big], loaded.model.embed_tokens.weight[big])
-
-    def varied(prompts, responses, answers):
-        return [0.0, 1.0, 2.0, 3.0] * (len(responses) // 4)
 
     trainer = make_trainer(reward_funcs=[varied], model=str(tmp_path / "bf16"), lr=1e-6)
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
