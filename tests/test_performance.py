@@ -211,7 +211,6 @@ print(json.dumps(dict(extra=peak() - base, exact=exact, shape=list(log_probs.sha
 """
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak RSS from Linux's /proc")
 def test_efficient_log_probs_peak_memory_with_a_real_vocabulary(world, tmp_path):
     """Peak RSS of get_action_log_probs (2 rows of 256 + 128 tokens, vocab 151,936) in fresh processes.
 
