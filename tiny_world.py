@@ -272,7 +272,7 @@ def build_tiny_world(
 # ============================================================
 DEMO_DIR = os.path.join(".", "output", "demo")
 # The tiny world learns in about a minute on 2 CPU cores with these settings; anything given on the
-# command line still wins (e.g. --max_steps=50, or --preset paper).
+# command line still wins (e.g. --max_steps=50, or --preset paper --filter_metric=reward).
 DEMO_ARGS = dict(
     model_path=os.path.join(DEMO_DIR, "tiny-qwen2"),
     data_path=os.path.join(DEMO_DIR, "gsm8k_tiny"),
