@@ -293,18 +293,55 @@ def is_truncated(response_ids, response_lengths, eos_token_ids):
     return ~torch.isin(last_token, torch.tensor(eos_token_ids, device=response_ids.device))
 
 
-def selective_log_softmax(logits, labels):
-    """log softmax(logits)[label] without materialising a [N, T, V] float32 log-softmax.
+class SelectiveLogSoftmax(torch.autograd.Function):
+    """Row by row: log softmax(x)[label] with its gradient, and the entropy of softmax(x) without one.
 
-    logits: [N, T, V] (any float dtype), labels: [N, T] -> [N, T] float32. Row by row, the chosen
-    logit minus a float32 logsumexp: peak extra memory is one row's [T, V], not the whole batch.
+    Per row of [T, V] logits, one exp(x - max) buffer gives the logsumexp and, with one more
+    multiply-add, the entropy H = lse - E_p[x]. Backward writes d log p[label] / dx = onehot - softmax(x)
+    straight into the gradient, recomputing softmax from the saved logsumexp. Nothing of size
+    [N, T, V] is kept beyond the logits themselves (autograd's log_softmax would keep its output too).
     """
-    rows = []
-    for row_logits, row_labels in zip(logits, labels):
-        row_logits = row_logits.float()
-        chosen = row_logits.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)
-        rows.append(chosen - torch.logsumexp(row_logits, dim=-1))
-    return torch.stack(rows)
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        N, T, V = logits.shape
+        log_probs = torch.empty(N, T, dtype=torch.float32, device=logits.device)  # [N, T]
+        entropy, lse = torch.empty_like(log_probs), torch.empty_like(log_probs)  # [N, T]
+        buffer = torch.empty(T, V, dtype=torch.float32, device=logits.device)  # reused by every row
+        for i in range(N):
+            row = logits[i].float()  # [T, V]; a copy only when the logits are bf16
+            peak = row.amax(dim=-1, keepdim=True)  # [T, 1]
+            total = torch.sub(row, peak, out=buffer).exp_().sum(dim=-1)  # [T]
+            lse[i] = peak.squeeze(-1) + total.log()
+            entropy[i] = lse[i] - buffer.mul_(row).sum(dim=-1) / total
+            log_probs[i] = row.gather(-1, labels[i].unsqueeze(-1)).squeeze(-1) - lse[i]
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.mark_non_differentiable(entropy)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # [N, T, V]
+        as_float32 = logits.dtype == torch.float32
+        buffer = None if as_float32 else torch.empty(logits.shape[1:], dtype=torch.float32, device=logits.device)
+        for i in range(logits.size(0)):
+            g = grad_log_probs[i].unsqueeze(-1)  # [T, 1]
+            out = grad[i] if as_float32 else buffer
+            torch.sub(logits[i].float(), lse[i].unsqueeze(-1), out=out).exp_().mul_(-g)  # -g * softmax(x)
+            out.scatter_add_(-1, labels[i].unsqueeze(-1), g)  # + g at the label
+            if not as_float32:
+                grad[i].copy_(buffer)
+        return grad, None
+
+
+def selective_log_softmax(logits, labels):
+    """log softmax(logits)[label] and the entropy, without materialising a [N, T, V] float32 log-softmax.
+
+    logits: [N, T, V] (any float dtype), labels: [N, T] -> (log_probs [N, T], entropy [N, T]), both
+    float32; only log_probs carries a gradient. Peak extra memory is one row's [T, V].
+    """
+    return SelectiveLogSoftmax.apply(logits, labels)
 
 
 def dapo_per_token_loss(log_probs, old_log_probs, advantages, clip_eps_low, clip_eps_high):
@@ -783,27 +820,26 @@ class DapoTrainer:
     def get_action_log_probs(self, model, input_ids, attention_mask, num_actions, with_entropy=False):
         """log pi(o_t | q, o_<t) of the last num_actions tokens: [N, T] (and the entropy [N, T]).
 
-        Logits at position t predict token t+1, so the logits of the last T+1 positions, minus the
-        last, score the T response tokens. Only those logits are computed (`logits_to_keep`), and
+        Logits at position t predict token t+1, so the T positions before the last score the T
+        response tokens. Only their logits are computed (`logits_to_keep` given as indices), and
         the log-softmax is taken row by row (selective_log_softmax).
         Position ids follow the attention mask, as in generate, so left padding does not shift them.
         """
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
         labels = input_ids[:, -num_actions:]  # [N, T]
-        keep = num_actions + 1 if self.args.efficient_log_probs else 0  # 0 = every position
+        width = input_ids.size(1)
+        # The T positions that predict the response (efficient) or every position (the seed's 0).
+        keep = torch.arange(width - num_actions - 1, width - 1, device=input_ids.device) if self.args.efficient_log_probs else 0
         with self.autocast():
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep).logits
         if self.args.efficient_log_probs:
-            logits = logits[:, :-1]  # [N, T, V]
-            log_probs = selective_log_softmax(logits, labels)  # [N, T]
+            log_probs, entropy = selective_log_softmax(logits, labels)  # [N, T] each
         else:  # the seed: a float32 log-softmax over every position, [N, P+T-1, V]
-            log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)[:, -num_actions:]
-            logits = logits[:, -num_actions - 1 : -1]
-        if not with_entropy:
-            return log_probs
-        with torch.no_grad():
-            entropy = torch.stack([torch.distributions.Categorical(logits=row.float()).entropy() for row in logits])
-        return log_probs, entropy
+            all_log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)[:, -num_actions:]  # [N, T, V]
+            log_probs = all_log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            with torch.no_grad():
+                entropy = -(all_log_probs.exp() * all_log_probs).sum(dim=-1)  # H = -sum p log p
+        return (log_probs, entropy) if with_entropy else log_probs
 
     # ---- 5.5 one micro-step ----
     def train_step(self, model, inputs, optimizer, step):
@@ -1240,9 +1276,10 @@ def main(argv=None):
         print(f"wrote {plot_curves(cli.plot)}")
         return None
     if cli.demo:  # the tiny world's settings, under anything given on the command line
-        from tiny_world import DEMO_ARGS, run_demo
+        from tiny_world import demo_settings, run_demo
 
-        overrides = {**DEMO_ARGS, **overrides}
+        demo_args, warm_up_steps = demo_settings(cli.preset)
+        overrides = {**demo_args, **overrides}
     checkpoint = None
     if cli.resume:  # the checkpoint's arguments, under anything given on the command line
         checkpoint = find_checkpoint(cli.resume, overrides.get("output_dir", DapoArguments.output_dir))
@@ -1253,7 +1290,7 @@ def main(argv=None):
     except ValueError as error:
         sys.exit(f"error: {error}")
     if cli.demo:
-        return run_demo(args)
+        return run_demo(args, warm_up_steps)
     if not os.path.exists(args.model_path) or not os.path.isdir(args.data_path):
         sys.exit(missing_inputs_message(args))
     trainer = build_trainer(args)
