@@ -45,7 +45,12 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
     PreTrainedModel,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
 from reward_func import (
@@ -188,6 +193,7 @@ class DapoArguments:
     pad_to_longest: bool = True  # pad to the longest prompt/response, not to max_prompt/generate_length
     batch_generation: bool = True  # one generate call for all prompts of a batch, not one per prompt
     efficient_log_probs: bool = True  # logits of response positions only, log-softmax row by row
+    fast_sampling: bool = True  # draw each token among the top-k/top-p survivors, not all V ids (same distribution)
 
     def __post_init__(self):
         self.validate()
@@ -291,6 +297,38 @@ def is_truncated(response_ids, response_lengths, eos_token_ids):
     """[N] bool: the response ran out of budget, i.e. its last kept token is not an EOS."""
     last_token = response_ids.gather(1, (response_lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
     return ~torch.isin(last_token, torch.tensor(eos_token_ids, device=response_ids.device))
+
+
+class SampleKeptTokens(LogitsProcessor):
+    """Draw the next token from softmax(scores), looking only at the tokens the warpers kept.
+
+    generate's torch.multinomial walks all 151,936 ids of Qwen's vocabulary: about 11 ms per decode
+    step for 4 rows on CPU, a third of the step. Over the ~50 tokens that top-k keeps it costs
+    nothing. Same distribution (ties at the top-k boundary included), other random draws. Returns
+    0 at the drawn token and -inf elsewhere, so that generate's greedy argmax picks it.
+    """
+
+    def __call__(self, input_ids, scores):  # scores: [N, V], -inf where a warper removed a token
+        num_kept = int(torch.isfinite(scores).sum(dim=-1).max())
+        if num_kept == scores.size(-1):  # nothing removed (top_k 0, top_p 1)
+            drawn = torch.multinomial(scores.softmax(dim=-1), 1)  # [N, 1]
+        else:
+            kept_scores, kept_ids = scores.topk(num_kept, dim=-1)  # [N, K]
+            drawn = kept_ids.gather(-1, torch.multinomial(kept_scores.softmax(dim=-1), 1))  # [N, 1]
+        return torch.full_like(scores, -math.inf).scatter_(-1, drawn, 0.0)
+
+
+def sampling_processors(temperature, top_k, top_p):
+    """Hugging Face's own warpers, in generate's order, then SampleKeptTokens (for greedy generate)."""
+    processors = LogitsProcessorList()
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    processors.append(SampleKeptTokens())
+    return processors
 
 
 class SelectiveLogSoftmax(torch.autograd.Function):
@@ -525,11 +563,14 @@ class DapoTrainer:
         )
         # Sampling is explicit: a model's own generation config (greedy, repetition penalty, ...)
         # must not change the behaviour policy. It is swapped in around every generate call.
+        # fast_sampling draws each token in a logits processor under greedy generate (SampleKeptTokens).
+        sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        self.logits_processor = None
+        if args.fast_sampling:
+            sampling = dict(do_sample=False)
+            self.logits_processor = sampling_processors(args.temperature, args.top_k, args.top_p)
         self.generation_config = GenerationConfig(
-            do_sample=True,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
+            **sampling,
             max_new_tokens=args.max_generate_length,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.tokenizer.pad_token_id,
@@ -653,7 +694,12 @@ class DapoTrainer:
         self.model.generation_config = self.generation_config
         try:
             with self.autocast():
-                return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=self.generation_config)
+                return self.model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    generation_config=self.generation_config,
+                    logits_processor=self.logits_processor,
+                )
         finally:
             self.model.generation_config = saved_config
 

@@ -33,7 +33,8 @@ cost nothing. Instead the tokenizer's batch_decode is wrapped to decode `id % le
 every sampled id becomes one known token, responses decode to text of their real token length,
 and the reward functions do their real amount of work. Nothing touches sampling itself (no logits
 processor, no bad_words_ids): the generate call is exactly the trainer's. EOS detection uses the
-raw ids, so this does not change response lengths either.
+raw ids, so this does not change response lengths either. fast_sampling draws other random numbers
+than generate's multinomial, from the same distribution; responses still run to the maximum.
 
 What that implies. A random model almost never samples an EOS id (2 of 151,936 ids), so every
 response runs to max_generate_length: the worst case for sampling time and memory, and padding
@@ -67,13 +68,14 @@ SHAPES = {
 }
 COMMON_SHAPE = dict(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 
-OFF = dict(pad_to_longest=False, batch_generation=False, efficient_log_probs=False, bf16=False, tf32=False, gradient_checkpointing=False)
+OFF = dict(pad_to_longest=False, batch_generation=False, efficient_log_probs=False, fast_sampling=False, bf16=False, tf32=False, gradient_checkpointing=False)
 # name -> (DapoArguments overrides, emulate the seed's old-log-prob pass, needs CUDA)
 CONFIGS = {
     "default (all on)": ({}, False, False),
     "-pad_to_longest": (dict(pad_to_longest=False), False, False),
     "-batch_generation": (dict(batch_generation=False), False, False),
     "-efficient_log_probs": (dict(efficient_log_probs=False), False, False),
+    "-fast_sampling": (dict(fast_sampling=False), False, False),
     "-bf16": (dict(bf16=False), False, True),
     "-tf32": (dict(tf32=False), False, True),
     "+gradient_checkpointing": (dict(gradient_checkpointing=True), False, False),

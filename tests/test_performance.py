@@ -5,6 +5,8 @@
                        at a fraction of its peak memory with Qwen2.5's 151,936-id vocabulary
 - batch_generation:    one Samples per prompt with the same shapes and semantics as one
                        generate call per prompt
+- fast_sampling:       the same next-token distribution as generate's multinomial sampling, and
+                       the same sequences where sampling is deterministic
 """
 
 import json
@@ -16,7 +18,9 @@ import pytest
 import torch
 
 from conftest import make_batch
-from train import Samples, pad_and_cat_groups
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from train import Samples, pad_and_cat_groups, sampling_processors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -328,3 +332,40 @@ def test_batch_generation_same_samples_as_one_call_per_prompt(make_trainer, pad_
         if not pad_to_longest:  # fixed widths: identical tensors
             for field in ("prompt_response_ids", "response_ids", "attention_mask", "action_mask"):
                 assert torch.equal(getattr(x, field), getattr(y, field)), field
+
+
+# ---------- 4. fast sampling draws from the same distribution ----------
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.9, 50, 1.0), (0.7, 4, 1.0), (1.0, 0, 0.8), (1.3, 5, 0.9), (1.0, 0, 1.0)])
+def test_fast_sampling_draws_from_generates_distribution(temperature, top_k, top_p):
+    # 12 ids; ids 3, 4 and 5 tie at the 4th-largest logit, so top_k=4 keeps 6 ids (HF keeps ties).
+    logits = torch.tensor([[2.0, 1.5, 1.2, 0.9, 0.9, 0.9, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0]])
+    expected = logits / temperature
+    if top_k:
+        expected = TopKLogitsWarper(top_k)(None, expected)
+    if top_p < 1:
+        expected = TopPLogitsWarper(top_p)(None, expected)
+    expected = expected.softmax(-1)[0]  # what generate's softmax + multinomial draws from
+    if top_k == 4:
+        assert int((expected > 0).sum()) == 6
+    processors = sampling_processors(temperature, top_k, top_p)
+    assert [type(p).__name__ for p in processors][-1] == "SampleKeptTokens"
+    assert (TemperatureLogitsWarper in map(type, processors)) == (temperature != 1.0)
+    n = 200_000
+    torch.manual_seed(0)
+    scores = processors(None, logits.expand(n, -1).clone())  # [n, V]: 0 at the drawn id, -inf elsewhere
+    assert torch.equal((scores == 0).sum(-1), torch.ones(n, dtype=torch.long)) and torch.isinf(scores).sum() == n * 11
+    frequency = torch.bincount(scores.argmax(-1), minlength=12) / n
+    assert (frequency[expected == 0] == 0).all()  # never an id the warpers removed
+    assert torch.allclose(frequency, expected, atol=0.005), (frequency, expected)  # 5 standard errors at most
+
+
+def test_fast_sampling_same_sequences_when_sampling_is_deterministic(make_trainer):
+    # top_k=1 leaves one candidate per step: both paths must then produce identical sequences,
+    # EOS handling and padding included.
+    outputs = []
+    for fast in (True, False):
+        trainer = make_trainer(num_generations=4, max_generate_length=12, top_k=1, fast_sampling=fast, batch_size=2)
+        assert (trainer.logits_processor is not None) == fast and trainer.generation_config.do_sample != fast
+        samples = trainer.generate_samples(make_batch(trainer, 2))
+        outputs.append(torch.cat([s.prompt_response_ids for s in samples]))
+    assert torch.equal(outputs[0], outputs[1])

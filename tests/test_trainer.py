@@ -62,22 +62,25 @@ def test_attention_mask_when_pad_is_eos(make_trainer):
     assert s.action_mask.tolist() == [[1, 0], [1, 1]]
 
 
-def test_sampling_ignores_the_models_generation_config(make_trainer, monkeypatch):
-    trainer = make_trainer(num_generations=8, max_generate_length=6)
+@pytest.mark.parametrize("fast_sampling", [True, False])
+def test_sampling_ignores_the_models_generation_config(make_trainer, monkeypatch, fast_sampling):
+    trainer = make_trainer(num_generations=8, max_generate_length=6, fast_sampling=fast_sampling)
     greedy = GenerationConfig(do_sample=False, repetition_penalty=1.5, no_repeat_ngram_size=2, top_k=1, eos_token_id=[0])
     trainer.model.generation_config = greedy
     seen = []
     original = trainer.model._get_logits_processor
 
-    def spy(generation_config, *args, **kwargs):
-        seen.append(generation_config)
-        return original(generation_config, *args, **kwargs)
+    def spy(*args, **kwargs):
+        seen.append(original(*args, **kwargs))
+        return seen[-1]
 
     monkeypatch.setattr(trainer.model, "_get_logits_processor", spy)
     samples = trainer.generate_samples(make_batch(trainer))[0]
-    used = seen[0]
-    assert used.do_sample is True and used.temperature == 0.9 and used.top_k == 50 and used.top_p == 1.0
-    assert used.repetition_penalty in (None, 1.0) and used.no_repeat_ngram_size in (None, 0)
+    # Exactly the trainer's temperature 0.9 and top-k 50: no repetition penalty, no n-gram ban.
+    temperature, top_k, *rest = seen[0]
+    assert (type(temperature).__name__, temperature.temperature) == ("TemperatureLogitsWarper", 0.9)
+    assert (type(top_k).__name__, top_k.top_k) == ("TopKLogitsWarper", 50)
+    assert [type(p).__name__ for p in rest] == (["SampleKeptTokens"] if fast_sampling else [])
     assert len({tuple(r) for r in samples.response_ids.tolist()}) > 1  # not greedy: the group differs
     assert trainer.model.generation_config is greedy  # the user's config is put back
 
