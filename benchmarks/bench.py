@@ -424,8 +424,8 @@ def estimate(opts):
         act = activations(b, N * width)
         weight_cache = 2 * n if bf16 else 0  # autocast keeps a bf16 copy of every weight during forward
         if efficient:
-            logits = N * (T + 1) * V * b + N * T * V * 4 * 2  # kept logits + per-row float32 copies kept for backward
-            logits_peak = logits + N * T * V * 4  # + the gradient of one logits tensor in backward
+            logits = N * T * V * b  # the T scoring positions' logits, which SelectiveLogSoftmax keeps for backward
+            logits_peak = logits + N * T * V * b + 2 * T * V * 4  # + their gradient and one row's float32 temporaries
         else:
             logits = N * S * V * b + (N * S * V * 4 if b != 4 else 0) + N * S * V * 4  # logits, .float(), log_softmax out
             logits_peak = logits + 2 * N * S * V * 4  # + its gradient and log_softmax backward's temporary

@@ -221,8 +221,8 @@ def test_efficient_log_probs_peak_memory_with_a_real_vocabulary(world, tmp_path)
     torch's CPU allocations are invisible to tracemalloc, hence the kernel's peak RSS (VmHWM, reset
     right before the call). The seed materialises [2, 384, V] float32 logits, a contiguous copy of
     their [:, :-1] slice inside log_softmax and the [2, 383, V] log-softmax: 3 x 0.43 GiB. The
-    efficient path keeps the logits of the 129 response positions (0.15 GiB) and one row's
-    log-softmax temporaries at a time. (2 rows rather than a real micro-batch's 4 keep the test fast;
+    efficient path keeps the logits of the 128 positions that score the response (0.15 GiB) and
+    one row's float32 temporaries at a time. (2 rows rather than a real micro-batch's 4 keep the test fast;
     both paths scale linearly in rows.)
     """
     model_dir, _ = world
