@@ -883,8 +883,9 @@ class DapoTrainer:
         else:  # the seed: a float32 log-softmax over every position, [N, P+T-1, V]
             all_log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)[:, -num_actions:]  # [N, T, V]
             log_probs = all_log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-            with torch.no_grad():
-                entropy = -(all_log_probs.exp() * all_log_probs).sum(dim=-1)  # H = -sum p log p
+            if with_entropy:
+                with torch.no_grad():
+                    entropy = -(all_log_probs.exp() * all_log_probs).sum(dim=-1)  # H = -sum p log p
         return (log_probs, entropy) if with_entropy else log_probs
 
     # ---- 5.5 one micro-step ----
