@@ -51,15 +51,26 @@ ITEMS = [  # (noun, measure word, English noun)
 ]
 # (operator, Chinese template, English template); {u} is the measure word.
 TEMPLATES = [
-    ("+", "{name}有{a}{u}{item}，又买了{b}{u}，现在一共有几{u}{item}？",
-     "{en_name} has {a} {en_item} and buys {b} more. How many {en_item} does {en_name} have now?"),
-    ("+", "桌子上有{a}{u}{item}，{name}又放上了{b}{u}，桌子上一共有几{u}{item}？",
-     "There are {a} {en_item} on the table. {en_name} puts {b} more on it. "
-     "How many {en_item} are on the table?"),
-    ("-", "{name}有{a}{u}{item}，送给同学{b}{u}，还剩几{u}{item}？",
-     "{en_name} has {a} {en_item} and gives {b} to a classmate. How many {en_item} are left?"),
-    ("-", "{name}有{a}{u}{item}，弄丢了{b}{u}，还剩几{u}{item}？",
-     "{en_name} has {a} {en_item} and loses {b}. How many {en_item} are left?"),
+    (
+        "+",
+        "{name}有{a}{u}{item}，又买了{b}{u}，现在一共有几{u}{item}？",
+        "{en_name} has {a} {en_item} and buys {b} more. How many {en_item} does {en_name} have now?",
+    ),
+    (
+        "+",
+        "桌子上有{a}{u}{item}，{name}又放上了{b}{u}，桌子上一共有几{u}{item}？",
+        "There are {a} {en_item} on the table. {en_name} puts {b} more on it. How many {en_item} are on the table?",
+    ),
+    (
+        "-",
+        "{name}有{a}{u}{item}，送给同学{b}{u}，还剩几{u}{item}？",
+        "{en_name} has {a} {en_item} and gives {b} to a classmate. How many {en_item} are left?",
+    ),
+    (
+        "-",
+        "{name}有{a}{u}{item}，弄丢了{b}{u}，还剩几{u}{item}？",
+        "{en_name} has {a} {en_item} and loses {b}. How many {en_item} are left?",
+    ),
 ]
 
 
@@ -123,10 +134,12 @@ def build_tokenizer(texts: list[str]) -> transformers.PreTrainedTokenizerFast:
     """Train a byte-level BPE with Qwen2's normalizer and pre-tokenizer on texts."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     # The initial alphabet is only the bytes seen in texts, not all 256, which keeps the vocabulary
     # tiny; text made of other bytes cannot be encoded, so texts must cover everything the demo
@@ -151,15 +164,11 @@ def build_tokenizer(texts: list[str]) -> transformers.PreTrainedTokenizerFast:
         model_max_length=512,
     )
     # Added after training so they get fresh ids at the end instead of clashing with the BPE vocab.
-    hf_tokenizer.add_tokens([
-        transformers.AddedToken(t, special=False, normalized=False) for t in FORMAT_TOKENS
-    ])
+    hf_tokenizer.add_tokens([transformers.AddedToken(t, special=False, normalized=False) for t in FORMAT_TOKENS])
     return hf_tokenizer
 
 
-def build_tiny_model(
-    tokenizer: transformers.PreTrainedTokenizerBase, seed: int = 0
-) -> transformers.Qwen2ForCausalLM:
+def build_tiny_model(tokenizer: transformers.PreTrainedTokenizerBase, seed: int = 0) -> transformers.Qwen2ForCausalLM:
     """A random float32 Qwen2 small enough to train on a CPU."""
     endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = transformers.Qwen2Config(
@@ -221,27 +230,25 @@ def warm_up(model, tokenizer, texts, steps, seed=0, lr=3e-3, batch_size=32):
 
 
 def build_tiny_world(
-    root: str, num_train: int = 200, num_test: int = 50, seed: int = 0, warm_up_steps: int = 0
+    root: str, system_prompt: str, num_train: int = 200, num_test: int = 50, seed: int = 0, warm_up_steps: int = 0
 ) -> tuple[str, str]:
     """Write the data set to root/gsm8k_tiny and the tokenizer + model to root/tiny-qwen2.
 
     warm_up_steps > 0 first teaches the model the answer format on the training problems (warm_up).
     """
-    from train import SYSTEM_PROMPT  # imported here, so that train.py can import this module
-
     data_dir = write_dataset(os.path.join(root, "gsm8k_tiny"), num_train, num_test, seed)
     splits = make_splits(num_train, num_test, seed)
     rows = splits["train"] + splits["test"]
     # Every prompt train.py will build, plus a well-formatted answer, so that the tokenizer covers
     # all characters and the ideal completion is learnable.
-    texts = [
-        chatml_prompt(SYSTEM_PROMPT, row["question_zh-cn"]) + ideal_response(row) + "<|im_end|>\n"
-        for row in rows
-    ]
+    texts = [chatml_prompt(system_prompt, row["question_zh-cn"]) + ideal_response(row) + "<|im_end|>\n" for row in rows]
     tokenizer = build_tokenizer(texts)
     model = build_tiny_model(tokenizer, seed)
     if warm_up_steps:
-        pairs = [(chatml_prompt(SYSTEM_PROMPT, row["question_zh-cn"]), ideal_response(row) + "<|im_end|>") for row in splits["train"]]
+        pairs = [
+            (chatml_prompt(system_prompt, row["question_zh-cn"]), ideal_response(row) + "<|im_end|>")
+            for row in splits["train"]
+        ]
         warm_up(model, tokenizer, pairs, warm_up_steps, seed)
 
     model_dir = os.path.join(root, "tiny-qwen2")
@@ -253,7 +260,7 @@ def build_tiny_world(
     reloaded = transformers.AutoTokenizer.from_pretrained(model_dir)
     for row in rows:
         messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "system", "content": system_prompt},
             {"role": "user", "content": row["question_zh-cn"]},
         ]
         text = reloaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -296,7 +303,6 @@ DEMO_WARM_UP_STEPS = 50  # supervised steps before RL: the answer format, rarely
 # 1.199 -> 0.760); at 3e-4 it learns, slower, hence 600 steps.
 PAPER_DEMO_ARGS = dict(lr=3e-4, max_steps=600, epoch=20)
 PAPER_DEMO_WARM_UP_STEPS = 300
-DEMO_LOGS = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl")
 
 
 def demo_settings(preset: str) -> tuple[dict, int]:
@@ -306,42 +312,24 @@ def demo_settings(preset: str) -> tuple[dict, int]:
     return dict(DEMO_ARGS), DEMO_WARM_UP_STEPS
 
 
-def run_demo(args, warm_up_steps: int = DEMO_WARM_UP_STEPS):
-    """Build the tiny world under args.output_dir, train on it with the real DapoTrainer, summarise."""
-    from train import build_trainer
-
-    root = args.output_dir
-    for name in DEMO_LOGS:  # a demo starts afresh; a real run appends, as the seed does
-        if os.path.exists(os.path.join(root, name)):
-            os.remove(os.path.join(root, name))
-    args.model_path, args.data_path = build_tiny_world(root, warm_up_steps=warm_up_steps)
-    trainer = build_trainer(args)
-    print(f"demo: tiny world in {root} ({len(trainer.train_dataset)} train / {len(trainer.eval_dataset)} test problems, "
-          f"vocabulary {len(trainer.tokenizer)}, {sum(p.numel() for p in trainer.model.parameters()):,} parameters)")
-    trainer.train()
-    trainer.save_model()
-    print(demo_summary(trainer))
-    return trainer
-
-
-def demo_summary(trainer):
+def demo_summary(history, output_dir):
     """Mean total and correctness reward over the first and last 50 steps (or fifth of the run), and
     the first and last test accuracy."""
-    window = max(1, min(50, len(trainer.history) // 5))
+    window = max(1, min(50, len(history) // 5))
 
     def first_and_last(key):  # mean of a metric over the first and the last `window` steps
-        values = [record[key] for record in trainer.history if key in record]
+        values = [record[key] for record in history if key in record]
         return sum(values[:window]) / window, sum(values[-window:]) / window
 
     start, end = first_and_last("reward")
     correct_start, correct_end = first_and_last("rewards/correctness_reward/mean")
-    path = os.path.join(trainer.args.output_dir, "accuracy_losses.txt")
+    path = os.path.join(output_dir, "accuracy_losses.txt")
     with open(path, encoding="utf-8") as f:
         accuracies = [line.strip().split(",") for line in f if line.strip()]
     return (
-        f"\ndemo summary after {trainer.update_steps} steps ({trainer.skipped_groups} groups skipped):\n"
+        f"\ndemo summary after {history[-1]['step']} steps ({history[-1]['skipped_groups']} groups skipped):\n"
         f"  mean total reward  first {window} steps {start:.3f}  ->  last {window} steps {end:.3f}  ({end - start:+.3f})\n"
         f"  correctness reward first {window} steps {correct_start:.3f}  ->  last {window} steps {correct_end:.3f}  ({correct_end - correct_start:+.3f})\n"
         f"  accuracy           step {accuracies[0][0]} {float(accuracies[0][1]):.2f}  ->  step {accuracies[-1][0]} {float(accuracies[-1][1]):.2f}\n"
-        f"  logs: {trainer.args.output_dir}/training_losses.txt, accuracy_losses.txt, metrics.jsonl"
+        f"  logs: {output_dir}/training_losses.txt, accuracy_losses.txt, metrics.jsonl"
     )

@@ -4,15 +4,13 @@ RL fine-tuning of a chat LLM on grade-school math (GSM8K, Chinese), after the DA
 (ByteDance Seed / Tsinghua AIR, arXiv 2503.14476) and the annotated seed notes in shared/seed/.
 Read it top to bottom:
 
-    1. data            GSM8KDataset
-    2. one group       Samples
-    3. settings        DapoArguments (edit the defaults in place, or `--field=value`)
-    4. DAPO maths      group_advantages, keep_groups, dapo_per_token_loss, aggregate_loss, ...
-    5. the trainer     DapoTrainer: sample groups -> rewards -> advantages -> dynamic-sampling
-                       skip -> buffer -> clip-higher token-level loss -> gradient accumulation;
-                       logs, evaluation, checkpoints that resume exactly
-    6. curves          plot_curves: output_dir/curves.png
-    7. entry point     python train.py [--demo] [--preset paper] [--resume=latest] [--field=value ...]
+    1. data            GSM8KDataset, Samples (one group)
+    2. settings        DapoArguments (edit the defaults in place, or `--field=value`)
+    3. DAPO maths      group_advantages, keep_groups, dapo_per_token_loss, aggregate_loss, ...
+    4. the trainer     DapoTrainer.train is Algorithm 1 in one loop: sample groups -> rewards ->
+                       advantages -> dynamic-sampling filter -> buffer -> micro-batches ->
+                       clip-higher token-level loss, accumulated -> optimizer step -> log / eval / save
+    5. entry point     python train.py [--demo] [--preset paper] [--resume=latest] [--field=value ...]
 
 Each optimizer step consumes gradient_accumulation_steps micro-batches of batch_size valid
 groups; a group is num_generations responses to one prompt.
@@ -21,18 +19,19 @@ groups; a group is num_generations responses to one prompt.
 import argparse
 import contextlib
 import dataclasses
-import functools
-import inspect
+import importlib.util
 import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 import warnings
 from collections import defaultdict
 from copy import deepcopy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Union
 
 import torch
@@ -45,6 +44,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     GenerationConfig,
+    HfArgumentParser,
     LogitsProcessor,
     LogitsProcessorList,
     PreTrainedModel,
@@ -60,7 +60,6 @@ from reward_func import (
     hard_format_reward,
     mark_reward,
     normalize_answer,
-    soft_overlong_punishment,
 )
 
 SYSTEM_PROMPT = """
@@ -92,7 +91,7 @@ class GSM8KDataset(Dataset):
         if not os.path.isdir(data_path):
             raise FileNotFoundError(
                 f"data set folder {data_path!r} does not exist. Download it with "
-                "`huggingface-cli download swulling/gsm8k_chinese --repo-type dataset --local-dir "
+                "`hf download swulling/gsm8k_chinese --repo-type dataset --local-dir "
                 f"{data_path}` (or from ModelScope), or set --data_path."
             )
         data = load_dataset(data_path)
@@ -116,11 +115,10 @@ class GSM8KDataset(Dataset):
         return {"prompt": sample[QUESTION_COLUMN], "answer": sample[ANSWER_COLUMN]}
 
 
-# ============================================================
-# 2. One group: num_generations responses to one prompt
-# ============================================================
 @dataclass
 class Samples:
+    """One group: num_generations responses to one prompt."""
+
     prompt_response_ids: torch.Tensor  # [G, P+T] left-padded prompt, right-padded response
     response_ids: torch.Tensor  # [G, T]
     prompt: Any  # the question text
@@ -131,69 +129,82 @@ class Samples:
     response_length: int  # [G] number of response tokens (EOS included)
 
 
-# What generate_experiences returns for each kept group (lists, one tensor per group), and what
-# a micro-batch holds (the groups padded and concatenated).
-EXPERIENCE_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "old_action_log_probs", "ref_action_log_probs", "advantages")
+# What generate_experiences keeps of each valid group (one tensor per group); a micro-batch holds
+# them padded and concatenated, plus the old and reference log-probs.
+GROUP_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "advantages")
 
 
 # ============================================================
-# 3. Settings
+# 2. Settings
 # ============================================================
 LOSS_AGG_MODES = ("seed", "token-mean", "seq-mean-token-mean")
 FILTER_METRICS = ("reward", "correctness", "none")
+TRACKERS = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}  # name -> package
+
+
+def arg(default, help, **metadata):
+    """A DapoArguments field whose help text `python train.py --help` prints."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
+    return field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass
 class DapoArguments:
     # --- paths and run ---
-    model_path: str = "./Qwen2.5-1.5B-Instruct"  # policy: a Hugging Face folder or a .gguf file
-    data_path: str = "./gsm8k_chinese"  # folder holding swulling/gsm8k_chinese (train/test splits)
-    output_dir: str = "./output"  # logs, checkpoints and the final model go here
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"  # where the model runs
-    seed: int = 42  # seeds torch's RNG (sampling, shuffling, evaluation subsets)
+    model_path: str = arg("./Qwen2.5-1.5B-Instruct", "policy: a Hugging Face folder or a .gguf file")
+    data_path: str = arg("./gsm8k_chinese", "folder holding swulling/gsm8k_chinese (train/test splits)")
+    output_dir: str = arg("./output", "logs, checkpoints and the final model go here")
+    device: str = arg("cuda" if torch.cuda.is_available() else "cpu", "where the model runs")
+    seed: int = arg(42, "seeds torch's RNG (sampling, shuffling, evaluation subsets)")
     # --- optimisation (seed: plain Adam, constant lr) ---
-    lr: float = 0.000001  # learning rate
-    epoch: int = 3  # passes over the training prompts
-    max_steps: int = 0  # stop after this many optimizer steps; 0 = run every epoch
-    gradient_accumulation_steps: int = 2  # micro-batches per optimizer step
-    batch_size: int = 1  # prompts per sampling round = valid groups per micro-batch
-    num_iterations: int = 1  # optimizer passes over each sampled step (>1: PPO-style reuse)
-    weight_decay: float = 0.0  # > 0 switches Adam to AdamW with this decoupled decay (paper: 0.1)
-    warmup_steps: int = 0  # linear lr warm-up over this many optimizer steps (paper: 10)
-    max_grad_norm: float = 0.0  # clip the gradient norm to this; 0 = no clipping (paper: 1.0)
+    lr: float = arg(0.000001, "learning rate (seed and paper: 1e-6)")
+    epoch: int = arg(3, "passes over the training prompts")
+    max_steps: int = arg(0, "stop after this many optimizer steps; 0 = run every epoch")
+    gradient_accumulation_steps: int = arg(2, "micro-batches per optimizer step")
+    batch_size: int = arg(1, "prompts per sampling round = valid groups per micro-batch")
+    num_iterations: int = arg(1, "optimizer passes over each sampled step (>1: PPO-style reuse)")
+    weight_decay: float = arg(0.0, "> 0 switches Adam to AdamW with this decoupled decay (verl's DAPO script: 0.1)")
+    warmup_steps: int = arg(0, "linear lr warm-up over this many optimizer steps (verl's DAPO script: 10)")
+    max_grad_norm: float = arg(0.0, "clip the gradient norm to this; 0 = no clipping (verl's DAPO script: 1.0)")
     # --- sampling ---
-    num_generations: int = 4  # G: responses per prompt (group size)
-    max_prompt_length: int = 256  # longer prompts keep their last tokens
-    max_generate_length: int = 128  # max new tokens per response (L_max)
-    temperature: float = 0.9  # sampling temperature
-    top_p: float = 1.0  # nucleus sampling; 1.0 = off
-    top_k: int = 50  # top-k sampling; 0 = off
+    num_generations: int = arg(4, "G: responses per prompt (group size; paper: 16)")
+    max_prompt_length: int = arg(256, "longer prompts keep their last tokens")
+    max_generate_length: int = arg(128, "max new tokens per response (L_max)")
+    temperature: float = arg(0.9, "sampling temperature (seed 0.9; verl's DAPO recipe 1.0)")
+    top_p: float = arg(1.0, "nucleus sampling; 1.0 = off")
+    top_k: int = arg(50, "top-k sampling; 0 = off (seed 50; verl's DAPO recipe off)")
     # --- rewards and dynamic sampling ---
-    reward_weights: Optional[List[float]] = None  # one weight per reward function; None = all 1.0
-    filter_metric: str = "reward"  # skip a group when: "reward" its total rewards are all equal (seed),
-    #                                "correctness" all or none of it is correct (paper Eq. 11), "none" never
-    max_num_gen_batches: int = 0  # max sampling rounds to fill one micro-batch; 0 = no limit
-    overlong_buffer_len: int = 0  # L_cache of the soft overlong punishment (Eq. 13); 0 = off
-    overlong_penalty_factor: float = 1.0  # scale of that punishment (-factor at L_max)
-    overlong_filter: bool = False  # mask out the loss of responses that hit max_generate_length without EOS
+    reward_weights: Optional[List[float]] = arg(None, "one weight per reward function; None = all 1.0")
+    filter_metric: str = arg(
+        "reward",
+        "skip a group when: 'reward' its total rewards are all equal (seed), "
+        "'correctness' all or none of it is correct (paper Eq. 11), 'none' never",
+        choices=FILTER_METRICS,
+    )
+    max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit")
+    overlong_buffer_len: int = arg(0, "L_cache of the soft overlong punishment (Eq. 13); 0 = off")
+    overlong_penalty_factor: float = arg(1.0, "scale of that punishment (-factor at L_max)")
+    overlong_filter: bool = arg(False, "mask out the loss of responses that hit max_generate_length without EOS")
     # --- loss ---
-    beta: float = 0.0  # KL coefficient; 0 = no reference model (saves memory)
-    clip_eps_low: float = 0.2  # ratio clipped below at 1 - clip_eps_low
-    clip_eps_high: float = 0.28  # ratio clipped above at 1 + clip_eps_high (clip-higher)
-    loss_agg_mode: str = "seed"  # "seed" per-group token mean, "token-mean" (paper), "seq-mean-token-mean" (GRPO)
+    beta: float = arg(0.0, "KL coefficient; 0 = no reference model (saves memory)")
+    clip_eps_low: float = arg(0.2, "ratio clipped below at 1 - clip_eps_low")
+    clip_eps_high: float = arg(0.28, "ratio clipped above at 1 + clip_eps_high (clip-higher)")
+    loss_agg_mode: str = arg(
+        "seed",
+        "'seed' per-group token mean, 'token-mean' (paper Eq. 12), 'seq-mean-token-mean' (GRPO)",
+        choices=LOSS_AGG_MODES,
+    )
     # --- evaluation, logging, checkpoints ---
-    eval_steps: int = 10  # evaluate every this many optimizer steps (and before training)
-    eval_samples: int = 100  # random test problems per evaluation
-    eval_batch_size: int = 20  # prompts per generate call during evaluation
-    save_steps: int = 100  # write output_dir/checkpoint_N every this many optimizer steps
-    # --- speed and memory (same results; each switch exists to measure what it saves) ---
-    bf16: bool = True  # on CUDA, autocast forward passes to bf16 (weights stay float32)
-    tf32: bool = True  # on CUDA, TF32 matmuls for what stays float32
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
-    pad_to_longest: bool = True  # pad to the longest prompt/response, not to max_prompt/generate_length
-    batch_generation: bool = True  # one generate call for all prompts of a batch, not one per prompt
-    efficient_log_probs: bool = True  # logits of response positions only, log-softmax row by row
-    fast_sampling: bool = True  # draw each token among the top-k/top-p survivors, not all V ids (same distribution)
+    eval_steps: int = arg(10, "evaluate every this many optimizer steps (and before training)")
+    eval_samples: int = arg(100, "random test problems per evaluation")
+    eval_batch_size: int = arg(20, "prompts per generate call during evaluation")
+    save_steps: int = arg(100, "write output_dir/checkpoint_N every this many optimizer steps")
+    report_to: str = arg("none", "also log metrics to: none, tensorboard, wandb, trackio", choices=tuple(TRACKERS))
+    # --- speed and memory ---
+    bf16: bool = arg(True, "on CUDA, autocast forward passes to bf16 (weights stay float32)")
+    tf32: bool = arg(True, "on CUDA, TF32 matmuls for what stays float32")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30%% slower")
 
     def __post_init__(self):
         self.validate()
@@ -234,8 +245,12 @@ class DapoArguments:
                 self.reward_weights is None or all(isinstance(w, (int, float)) for w in self.reward_weights),
                 "reward_weights must be None or a list of numbers",
             ),
+            (self.report_to in TRACKERS, f"report_to must be one of {tuple(TRACKERS)}"),
         ]
         errors = [message for ok, message in checks if not ok]
+        package = TRACKERS.get(self.report_to)
+        if package and importlib.util.find_spec(package) is None:
+            errors.append(f"report_to={self.report_to!r} needs the {package} package: pip install {package}")
         if errors:
             raise ValueError("invalid DapoArguments: " + "; ".join(errors))
 
@@ -253,7 +268,7 @@ def paper_preset(max_generate_length):
 
 
 # ============================================================
-# 4. DAPO maths: small pure functions, each with its equation
+# 3. DAPO maths: small pure functions, each with its equation
 # ============================================================
 def group_advantages(rewards):
     """GRPO/DAPO advantage, Eq. (9): A_i = (R_i - mean(R)) / (std(R) + 1e-8) within each group.
@@ -280,11 +295,23 @@ def keep_groups(advantages, correct, filter_metric):
     return torch.ones(advantages.size(0), dtype=torch.bool, device=advantages.device)
 
 
+def soft_overlong_punishment(lengths, max_length, cache_length, penalty_factor=1.0):
+    """DAPO Eq. (13), on response lengths |y| in tokens (EOS included), scaled by penalty_factor:
+
+        R(y) = 0                                    if |y| <= L_max - L_cache
+             = ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
+             = -1                                   if |y| > L_max
+    lengths: [N] -> [N] float32.
+    """
+    expected = max_length - cache_length
+    return penalty_factor * ((expected - lengths.float()) / cache_length).clamp(min=-1.0, max=0.0)
+
+
 def response_mask(response_ids, eos_token_ids, generated_length):
     """1 for each response token up to and including its first EOS, 0 after. [N, T] -> [N, T] long.
 
     A response without EOS keeps its `generated_length` tokens (it was cut at max_generate_length).
-    The seed dropped the EOS itself, so the policy was never taught to stop.
+    The EOS itself is learned: it is how the policy learns to stop.
     """
     is_eos = torch.isin(response_ids, torch.tensor(eos_token_ids, device=response_ids.device))
     positions = torch.arange(response_ids.size(1), device=response_ids.device)
@@ -299,13 +326,64 @@ def is_truncated(response_ids, response_lengths, eos_token_ids):
     return ~torch.isin(last_token, torch.tensor(eos_token_ids, device=response_ids.device))
 
 
+def dapo_per_token_loss(log_probs, old_log_probs, advantages, clip_eps_low, clip_eps_high):
+    """Clip-higher surrogate, Eq. (10), per token:
+
+        loss_t = -min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A),   r_t = pi(o_t) / pi_old(o_t)
+
+    log_probs, old_log_probs: [N, T]; advantages: [N] (one per response, broadcast over tokens).
+    Returns (loss [N, T], ratio [N, T]).
+    """
+    ratio = torch.exp(log_probs - old_log_probs)
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
+    advantages = advantages.unsqueeze(1)
+    return -torch.min(ratio * advantages, clipped * advantages), ratio
+
+
+def k3_kl(log_probs, ref_log_probs):
+    """Schulman's k3 estimator of KL(pi || pi_ref), per token: exp(ref - logp) - 1 - (ref - logp)."""
+    log_ratio = ref_log_probs - log_probs
+    return log_ratio.exp() - 1 - log_ratio
+
+
+def loss_normaliser(action_mask, mode, num_generations):
+    """What one micro-batch adds to its optimizer step's loss denominator: tokens ("token-mean"),
+    responses ("seq-mean-token-mean") or groups ("seed"). action_mask: [N, T]."""
+    if mode == "token-mean":
+        return int(action_mask.sum())
+    return action_mask.size(0) if mode == "seq-mean-token-mean" else action_mask.size(0) // num_generations
+
+
+def aggregate_loss(per_token_loss, mask, mode, num_generations, normaliser=None):
+    """This micro-batch's share of its optimizer step's loss: a sum over its units / the step's unit count.
+
+      "seed":                per group, sum over its G responses' tokens / its token count; mean over groups
+      "token-mean":          Eq. (12): sum over every token of the step / the step's token count
+      "seq-mean-token-mean": GRPO: each response's token mean, then the mean over responses
+    per_token_loss, mask: [N, T]. normaliser: the step's total of loss_normaliser over its micro-batches
+    (None: this micro-batch is the whole step). Fully masked groups or responses contribute 0.
+    """
+    per_token_loss = per_token_loss * mask
+    if mode == "seed":
+        group_sums = per_token_loss.view(-1, num_generations, mask.size(1)).sum(dim=(1, 2))  # [B]
+        group_tokens = mask.view(-1, num_generations, mask.size(1)).sum(dim=(1, 2))  # [B]
+        total = (group_sums / group_tokens.clamp(min=1)).sum()
+    elif mode == "token-mean":
+        total = per_token_loss.sum()
+    else:
+        total = (per_token_loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum()
+    if normaliser is None:
+        normaliser = loss_normaliser(mask, mode, num_generations)
+    return total / max(normaliser, 1)
+
+
 class SampleKeptTokens(LogitsProcessor):
     """Draw the next token from softmax(scores), looking only at the tokens the warpers kept.
 
-    generate's torch.multinomial walks all 151,936 ids of Qwen's vocabulary: about 11 ms per decode
-    step for 4 rows on CPU, a third of the step. Over the ~50 tokens that top-k keeps it costs
-    nothing. Same distribution (ties at the top-k boundary included), other random draws. Returns
-    0 at the drawn token and -inf elsewhere, so that generate's greedy argmax picks it.
+    generate's torch.multinomial walks all 151,936 ids of Qwen's vocabulary (a third of a CPU decode
+    step); over the ~50 that top-k keeps it costs nothing. Same distribution (ties at the top-k
+    boundary included), other random draws. Returns 0 at the drawn token and -inf elsewhere, so that
+    generate's greedy argmax picks it.
     """
 
     def __call__(self, input_ids, scores):  # scores: [N, V], -inf where a warper removed a token
@@ -382,55 +460,12 @@ def selective_log_softmax(logits, labels):
     return SelectiveLogSoftmax.apply(logits, labels)
 
 
-def dapo_per_token_loss(log_probs, old_log_probs, advantages, clip_eps_low, clip_eps_high):
-    """Clip-higher surrogate, Eq. (10), per token:
-
-        loss_t = -min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A),   r_t = pi(o_t) / pi_old(o_t)
-
-    log_probs, old_log_probs: [N, T]; advantages: [N] (one per response, broadcast over tokens).
-    Returns (loss [N, T], ratio [N, T]).
-    """
-    ratio = torch.exp(log_probs - old_log_probs)
-    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
-    advantages = advantages.unsqueeze(1)
-    return -torch.min(ratio * advantages, clipped * advantages), ratio
-
-
-def k3_kl(log_probs, ref_log_probs):
-    """Schulman's k3 estimator of KL(pi || pi_ref), per token: exp(ref - logp) - 1 - (ref - logp)."""
-    log_ratio = ref_log_probs - log_probs
-    return log_ratio.exp() - 1 - log_ratio
-
-
-def aggregate_loss(per_token_loss, mask, mode, num_generations, num_step_tokens=None, num_micro_steps=1):
-    """Reduce per-token losses [N, T] (masked by mask [N, T]) to this micro-batch's loss.
-
-    The trainer divides every micro-batch loss by num_micro_steps (gradient accumulation), so:
-      "seed":                per group, sum over its G responses' tokens / its token count; mean over groups
-      "token-mean":          Eq. (12): sum over every token of the optimizer step / the step's token count
-                             (num_step_tokens counts all accumulated micro-batches; scaled by
-                             num_micro_steps here so that the trainer's division cancels it)
-      "seq-mean-token-mean": GRPO: each response's token mean, then the mean over responses
-    Fully masked groups or responses contribute 0 (their denominators are clamped to 1).
-    """
-    per_token_loss = per_token_loss * mask
-    if mode == "seed":
-        group_sums = per_token_loss.view(-1, num_generations, mask.size(1)).sum(dim=(1, 2))
-        group_tokens = mask.view(-1, num_generations, mask.size(1)).sum(dim=(1, 2))
-        return (group_sums / group_tokens.clamp(min=1)).mean()
-    if mode == "token-mean":
-        if num_step_tokens is None:  # called on its own: this micro-batch is the whole step
-            num_step_tokens, num_micro_steps = mask.sum(), 1
-        return per_token_loss.sum() / max(float(num_step_tokens), 1.0) * num_micro_steps
-    return (per_token_loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
-
-
 def pad_and_cat_groups(groups, pad_token_id):
     """Join groups whose prompts (left-padded) or responses (right-padded) differ in length.
 
     groups: dict of lists, one tensor per group: prompt_response_ids / attention_mask [G, P_i+T_i],
-    action_mask / old / ref log-probs [G, T_i], advantages [G]. Returns dict of [sum G, ...] tensors,
-    prompts left-padded to max P_i and responses right-padded to max T_i.
+    action_mask [G, T_i], advantages [G]. Returns dict of [sum G, ...] tensors, prompts left-padded
+    to max P_i and responses right-padded to max T_i.
     """
     num_actions = [mask.size(1) for mask in groups["action_mask"]]
     prompt_lengths = [ids.size(1) - t for ids, t in zip(groups["prompt_response_ids"], num_actions)]
@@ -438,10 +473,11 @@ def pad_and_cat_groups(groups, pad_token_id):
     pads = {"prompt_response_ids": pad_token_id, "attention_mask": 0}
     batch = {}
     for key, tensors in groups.items():
-        if tensors is None:
-            batch[key] = None
-        elif key in pads:  # (left, right) padding of the last dimension
-            padded = [F.pad(x, (max_p - p, max_t - t), value=pads[key]) for x, p, t in zip(tensors, prompt_lengths, num_actions)]
+        if key in pads:  # (left, right) padding of the last dimension
+            padded = [
+                F.pad(x, (max_p - p, max_t - t), value=pads[key])
+                for x, p, t in zip(tensors, prompt_lengths, num_actions)
+            ]
             batch[key] = torch.cat(padded)
         elif key == "advantages":
             batch[key] = torch.cat(tensors)
@@ -450,42 +486,15 @@ def pad_and_cat_groups(groups, pad_token_id):
     return batch
 
 
-def mean(values):
-    return sum(values) / len(values)
-
-
-def std(values):
-    """Unbiased standard deviation (0 for fewer than two values)."""
-    if len(values) < 2:
-        return 0.0
-    m = mean(values)
-    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
-
-
-def call_reward_func(reward_func, prompts, responses, answers, response_lengths):
-    """Call a rule-based reward; pass response_lengths (in tokens) only to a function that asks for it."""
-    kwargs = dict(prompts=prompts, responses=responses, answers=answers)
-    if "response_lengths" in inspect.signature(reward_func).parameters:
-        kwargs["response_lengths"] = response_lengths
-    return reward_func(**kwargs)
-
-
-def reward_func_name(reward_func):
-    if isinstance(reward_func, PreTrainedModel):
-        return reward_func.config._name_or_path.rstrip("/").split("/")[-1] or "reward_model"
-    if isinstance(reward_func, functools.partial):
-        return reward_func.func.__name__
-    return getattr(reward_func, "__name__", type(reward_func).__name__)
-
-
 # ============================================================
-# 5. The trainer
+# 4. The trainer
 # ============================================================
 def load_causal_lm(path):
     """A float32 causal LM from a Hugging Face folder, or from a .gguf file (dequantised on load)."""
     if not path.endswith(".gguf"):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path), dtype=torch.float32)
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The weights are plain float32 now; forget the GGUF "quantizer" so that save_pretrained works.
     model.hf_quantizer = None
     del model.config.quantization_config
@@ -498,10 +507,36 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(path)
 
 
-# Where the training loop is: saved in checkpoints, so that a resumed run continues exactly.
-LOOP_COUNTERS = ("update_steps", "epoch", "batches_done", "micro_batches", "rounds", "iteration", "skipped_groups", "truncated_prompts")
+def reward_func_name(reward_func):
+    if isinstance(reward_func, PreTrainedModel):
+        return reward_func.config._name_or_path.rstrip("/").split("/")[-1] or "reward_model"
+    return getattr(reward_func, "__name__", type(reward_func).__name__)
+
+
+@dataclass
+class LoopState:
+    """Where Algorithm 1 is. Saved in every checkpoint, so that a resumed run continues exactly."""
+
+    update_steps: int = 0  # optimizer steps taken
+    epoch: int = 0  # current pass over the training prompts
+    batches_done: int = 0  # prompt batches consumed in this epoch
+    rounds: int = 0  # sampling rounds since the last rollout was complete
+    skipped_groups: int = 0  # groups dropped by dynamic sampling, whole run
+    truncated_prompts: int = 0  # prompts longer than max_prompt_length (cut from the left), whole run
+    buffer: dict = field(default_factory=lambda: {key: [] for key in GROUP_KEYS})  # valid groups not yet trained on
+    rollout: Optional[list] = None  # the micro-batches being trained on
+    updates_done: int = 0  # optimizer steps taken on the rollout
+
+    def state_dict(self):
+        return dict(vars(self))
+
+    def load_state_dict(self, state):
+        vars(self).update(state)
+
+
 TRAINER_STATE = "trainer_state.pt"  # in each checkpoint: optimizer, scheduler, loop state, RNG
 ARGS_FILE = "dapo_args.json"  # in each checkpoint: the DapoArguments used
+LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl")  # in output_dir
 NUM_LOGGED_EXAMPLES = 4  # evaluation problems written to samples.jsonl at each evaluation
 
 
@@ -541,10 +576,7 @@ class DapoTrainer:
 
         self.reward_funcs, self.reward_tokenizers = self.load_reward_funcs(reward_funcs, reward_tokenizers)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
-        num_user_funcs = len(self.reward_funcs) - (args.overlong_buffer_len > 0)
-        weights = list(args.reward_weights) if args.reward_weights else [1.0] * num_user_funcs
-        if args.overlong_buffer_len > 0 and len(weights) == num_user_funcs:
-            weights.append(1.0)  # the punishment carries its own scale (overlong_penalty_factor)
+        weights = list(args.reward_weights) if args.reward_weights else [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
             raise ValueError(
                 f"reward_weights has {len(weights)} entries but there are {len(self.reward_funcs)} reward functions"
@@ -561,16 +593,11 @@ class DapoTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
         )
-        # Sampling is explicit: a model's own generation config (greedy, repetition penalty, ...)
-        # must not change the behaviour policy. It is swapped in around every generate call.
-        # fast_sampling draws each token in a logits processor under greedy generate (SampleKeptTokens).
-        sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-        self.logits_processor = None
-        if args.fast_sampling:
-            sampling = dict(do_sample=False)
-            self.logits_processor = sampling_processors(args.temperature, args.top_k, args.top_p)
+        # Sampling is explicit: a model's own generation config (greedy, repetition penalty, ...) must
+        # not change the behaviour policy. generate runs greedy over SampleKeptTokens, which draws.
+        self.logits_processor = sampling_processors(args.temperature, args.top_k, args.top_p)
         self.generation_config = GenerationConfig(
-            **sampling,
+            do_sample=False,
             max_new_tokens=args.max_generate_length,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.tokenizer.pad_token_id,
@@ -579,22 +606,16 @@ class DapoTrainer:
 
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
-        self.input_buffer = [None] * args.gradient_accumulation_steps  # the micro-batches of one optimizer step
-        self.buffer = {key: [] for key in EXPERIENCE_KEYS}  # valid groups waiting for a micro-batch
-        self.update_steps = 0  # optimizer steps taken
-        self.epoch = 0  # current pass over the training prompts
-        self.batches_done = 0  # DataLoader batches consumed in this epoch
-        self.micro_batches = 0  # micro-batches filled in this epoch (the seed's idx)
-        self.rounds = 0  # sampling rounds since the last micro-batch was filled
-        self.iteration = args.num_iterations  # passes done over input_buffer; num_iterations = none pending
-        self.skipped_groups = 0  # groups dropped by dynamic sampling, all run long
-        self.truncated_prompts = 0  # prompts longer than max_prompt_length (cut from the left)
-        self.boundary = self.loop_state()  # the loop state after the last finished step
+        self.state = LoopState()
         self.resumed = False
-        self.metrics = defaultdict(list)  # values gathered since the last optimizer step
+        self.stop_requested = False  # set by Ctrl-C; acted on at the next step end
         self.history = []  # one metrics dict per optimizer step (also written to metrics.jsonl)
         self.last_accuracy = math.nan
-        self.eval_examples = []  # the last evaluation's first few problems, for samples.jsonl
+        self.tracker = None
+
+    @property
+    def update_steps(self):  # the seed's name
+        return self.state.update_steps
 
     # ---- set-up helpers ----
     def get_tokenizer(self, tokenizer):
@@ -610,15 +631,15 @@ class DapoTrainer:
         return sorted(set(ids) | {self.tokenizer.eos_token_id})
 
     def load_reward_funcs(self, reward_funcs, reward_tokenizers):
-        args = self.args
-        reward_funcs = [reward_funcs] if isinstance(reward_funcs, (str, PreTrainedModel)) or callable(reward_funcs) else list(reward_funcs or [])
+        single = isinstance(reward_funcs, (str, PreTrainedModel)) or callable(reward_funcs)
+        reward_funcs = [reward_funcs] if single else list(reward_funcs or [])
         if not reward_funcs:
             raise ValueError("DapoTrainer needs at least one reward function")
         for i, reward_func in enumerate(reward_funcs):
             if isinstance(reward_func, str):  # a path to a sequence-classification reward model
                 reward_funcs[i] = AutoModelForSequenceClassification.from_pretrained(reward_func, num_labels=1)
             if isinstance(reward_funcs[i], PreTrainedModel):
-                reward_funcs[i] = reward_funcs[i].to(args.device).eval()
+                reward_funcs[i] = reward_funcs[i].to(self.args.device).eval()
         if reward_tokenizers is None:
             reward_tokenizers = [None] * len(reward_funcs)
         elif isinstance(reward_tokenizers, str) or not isinstance(reward_tokenizers, (list, tuple)):
@@ -628,24 +649,13 @@ class DapoTrainer:
         reward_tokenizers = list(reward_tokenizers)
         for i, (reward_tokenizer, reward_func) in enumerate(zip(reward_tokenizers, reward_funcs)):
             if isinstance(reward_func, PreTrainedModel):
-                if reward_tokenizer is None:
-                    reward_tokenizer = reward_func.config._name_or_path
+                reward_tokenizer = reward_tokenizer or reward_func.config._name_or_path
                 if isinstance(reward_tokenizer, str):
                     reward_tokenizer = AutoTokenizer.from_pretrained(reward_tokenizer)
                 if reward_tokenizer.pad_token_id is None:
                     reward_tokenizer.pad_token = reward_tokenizer.eos_token
                 reward_func.config.pad_token_id = reward_tokenizer.pad_token_id
                 reward_tokenizers[i] = reward_tokenizer
-        if args.overlong_buffer_len > 0:  # DAPO Eq. (13), bound to this run's lengths
-            reward_funcs.append(
-                functools.partial(
-                    soft_overlong_punishment,
-                    max_length=args.max_generate_length,
-                    cache_length=args.overlong_buffer_len,
-                    penalty_factor=args.overlong_penalty_factor,
-                )
-            )
-            reward_tokenizers.append(None)
         return reward_funcs, reward_tokenizers
 
     def autocast(self):
@@ -654,12 +664,12 @@ class DapoTrainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    # ---- 5.1 sampling ----
+    # ---- 4.1 sampling ----
     def encode_prompts(self, prompts):
         """Chat-format and left-pad prompts. Returns input_ids, attention_mask: [B, P], P = longest prompt.
 
         A prompt longer than max_prompt_length keeps its last tokens: its end is the generation prompt
-        (`<|im_start|>assistant`), without which the model would not answer. The seed cut the end off.
+        (`<|im_start|>assistant`), without which the model would not answer.
         """
         texts = [
             self.tokenizer.apply_chat_template(
@@ -673,13 +683,13 @@ class DapoTrainer:
         token_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         too_long = sum(len(ids) > self.args.max_prompt_length for ids in token_ids)
         if too_long:
-            self.truncated_prompts += too_long
+            self.state.truncated_prompts += too_long
             warnings.warn(
-                f"{self.truncated_prompts} prompt(s) so far were longer than max_prompt_length="
+                f"{self.state.truncated_prompts} prompt(s) so far were longer than max_prompt_length="
                 f"{self.args.max_prompt_length} tokens and lost their beginning"
             )
         token_ids = [ids[-self.args.max_prompt_length :] for ids in token_ids]
-        width = max(len(ids) for ids in token_ids) if self.args.pad_to_longest else self.args.max_prompt_length
+        width = max(len(ids) for ids in token_ids)
         input_ids = torch.full((len(token_ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(token_ids), width), dtype=torch.long)
         for row, ids in enumerate(token_ids):
@@ -689,7 +699,7 @@ class DapoTrainer:
 
     @torch.no_grad()
     def sample(self, input_ids, attention_mask):
-        """One generate call with this trainer's sampling settings. Returns [N, P+T'] with T' <= max_generate_length."""
+        """One generate call with this trainer's sampling settings. Returns [N, P+T'], T' <= max_generate_length."""
         saved_config = self.model.generation_config
         self.model.generation_config = self.generation_config
         try:
@@ -704,50 +714,39 @@ class DapoTrainer:
             self.model.generation_config = saved_config
 
     def generate_samples(self, inputs):
-        """num_generations responses to each prompt of the batch: a list of Samples, one per prompt.
-
-        All prompts share one generate call (batch_size x num_generations rows), unless
-        batch_generation is off (the seed: one call per prompt).
-        """
+        """num_generations responses to each prompt of the batch, in one generate call: a list of Samples."""
         self.model.eval()
+        G = self.args.num_generations
         prompts = list(inputs["prompt"])
         answers = list(inputs["answer"]) if "answer" in inputs else [None] * len(prompts)
-        if self.args.batch_generation:
-            return self.sample_groups(prompts, answers)
-        return [samples for prompt, answer in zip(prompts, answers) for samples in self.sample_groups([prompt], [answer])]
-
-    def sample_groups(self, prompts, answers):
-        G = self.args.num_generations
         prompt_ids, prompt_mask = self.encode_prompts(prompts)  # [B, P]
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
         prompt_response_ids = self.sample(prompt_ids, prompt_mask)  # [B*G, P+T]
         response_ids = prompt_response_ids[:, prompt_ids.size(1) :]  # [B*G, T]
         action_mask = response_mask(response_ids, self.eos_token_ids, response_ids.size(1))  # [B*G, T]
-        if not self.args.pad_to_longest:  # the seed's fixed width
-            response_ids = F.pad(response_ids, (0, self.args.max_generate_length - response_ids.size(1)))
-            action_mask = F.pad(action_mask, (0, self.args.max_generate_length - action_mask.size(1)))
         response_ids = response_ids.masked_fill(action_mask == 0, self.tokenizer.pad_token_id)
         prompt_response_ids = torch.cat([prompt_ids, response_ids], dim=1)
         # From the masks, not from `!= pad_token_id`: a pad token that is also the EOS (SmolLM,
         # Llama) would otherwise hide the chat template's own end-of-turn tokens.
         attention_mask = torch.cat([prompt_mask, action_mask], dim=1)  # [B*G, P+T]
+        rows = [slice(g * G, (g + 1) * G) for g in range(len(prompts))]
         return [
             Samples(
-                prompt_response_ids=prompt_response_ids[g * G : (g + 1) * G],
-                response_ids=response_ids[g * G : (g + 1) * G],
+                prompt_response_ids=prompt_response_ids[r],
+                response_ids=response_ids[r],
                 prompt=prompt,
                 answer=answer,
-                attention_mask=attention_mask[g * G : (g + 1) * G],
-                action_mask=action_mask[g * G : (g + 1) * G],
+                attention_mask=attention_mask[r],
+                action_mask=action_mask[r],
                 num_actions=response_ids.size(1),
-                response_length=action_mask[g * G : (g + 1) * G].sum(dim=-1),
+                response_length=action_mask[r].sum(dim=-1),
             )
-            for g, (prompt, answer) in enumerate(zip(prompts, answers))
+            for r, prompt, answer in zip(rows, prompts, answers)
         ]
 
-    # ---- 5.2 rewards, advantages, dynamic sampling ----
+    # ---- 4.2 rewards, advantages, dynamic sampling ----
     @torch.no_grad()
-    def score_rewards(self, prompts, responses, answers, response_lengths):
+    def score_rewards(self, prompts, responses, answers):
         """rewards_per_func [N, F] for N responses; NaN where a function returned None."""
         columns = []
         for reward_func, reward_tokenizer in zip(self.reward_funcs, self.reward_tokenizers):
@@ -756,7 +755,7 @@ class DapoTrainer:
                 enc = reward_tokenizer(texts, return_tensors="pt", padding=True).to(self.args.device)
                 columns.append(reward_func(**enc).logits[:, 0].float())
             else:
-                values = call_reward_func(reward_func, prompts, responses, answers, response_lengths)
+                values = reward_func(prompts=prompts, responses=responses, answers=answers)
                 values = [math.nan if v is None else float(v) for v in values]
                 columns.append(torch.tensor(values, dtype=torch.float32, device=self.args.device))
         return torch.stack(columns, dim=1)
@@ -764,34 +763,44 @@ class DapoTrainer:
     def generate_experiences(self, inputs):
         """Sample groups, score them, compute advantages and drop the groups without signal.
 
-        Returns dict of lists with one entry per kept group (the seed's layout).
+        Returns {key: list with one tensor per kept group} for GROUP_KEYS (the seed's layout), and
+        "metrics": {name: list of values} for the step-end log.
         """
         args, G = self.args, self.args.num_generations
         start = time.perf_counter()
         samples_list = self.generate_samples(inputs)
-        self.metrics["time/sampling"].append(time.perf_counter() - start)
+        sampling_time, start = time.perf_counter() - start, time.perf_counter()
 
-        start = time.perf_counter()
         prompts = [s.prompt for s in samples_list for _ in range(G)]
         answers = [s.answer for s in samples_list for _ in range(G)]
-        responses = [text for s in samples_list for text in self.tokenizer.batch_decode(s.response_ids, skip_special_tokens=True)]
+        decode = self.tokenizer.batch_decode
+        responses = [text for s in samples_list for text in decode(s.response_ids, skip_special_tokens=True)]
         lengths = torch.cat([s.response_length for s in samples_list])  # [B*G]
-        truncated = torch.cat([is_truncated(s.response_ids, s.response_length, self.eos_token_ids) for s in samples_list])  # [B*G]
-        rewards_per_func = self.score_rewards(prompts, responses, answers, lengths.tolist())  # [B*G, F]
+        truncated = torch.cat(
+            [is_truncated(s.response_ids, s.response_length, self.eos_token_ids) for s in samples_list]
+        )
+        rewards_per_func = self.score_rewards(prompts, responses, answers)  # [B*G, F]
         # A None reward contributes nothing: NaNs are skipped by the weighted sum.
-        rewards = (rewards_per_func * self.reward_weights).nansum(dim=1).view(-1, G)  # [B, G]
+        rewards = (rewards_per_func * self.reward_weights).nansum(dim=1)  # [B*G]
+        metrics = defaultdict(list)
+        if args.overlong_buffer_len > 0:  # Eq. (13): part of the reward, its scale is its own factor
+            penalty = soft_overlong_punishment(
+                lengths, args.max_generate_length, args.overlong_buffer_len, args.overlong_penalty_factor
+            )
+            rewards = rewards + penalty
+            metrics["rewards/soft_overlong_punishment"] = penalty.tolist()
+        rewards = rewards.view(-1, G)  # [B, G]
         advantages = group_advantages(rewards)  # [B, G]
         correct = None  # [B, G] bool: what the paper's filter counts
         if "correctness_reward" in self.reward_names:
             correct = rewards_per_func[:, self.reward_names.index("correctness_reward")].view(-1, G) > 0
         keep = keep_groups(advantages, correct, args.filter_metric)  # [B]
-        self.skipped_groups += int((~keep).sum())
-        self.metrics["time/reward"].append(time.perf_counter() - start)
-        self.log_sampling_metrics(rewards_per_func, rewards, lengths, truncated, keep)
+        self.state.skipped_groups += int((~keep).sum())
 
-        start = time.perf_counter()
-        experiences = defaultdict(list)
-        for samples, group_advantage, group_truncated, kept in zip(samples_list, advantages, truncated.view(-1, G), keep):
+        experiences = {key: [] for key in GROUP_KEYS}
+        for samples, group_advantages_, group_truncated, kept in zip(
+            samples_list, advantages, truncated.view(-1, G), keep
+        ):
             if not kept:
                 continue
             action_mask = samples.action_mask  # [G, T]
@@ -800,227 +809,259 @@ class DapoTrainer:
             experiences["prompt_response_ids"].append(samples.prompt_response_ids)
             experiences["attention_mask"].append(samples.attention_mask)
             experiences["action_mask"].append(action_mask)
-            experiences["advantages"].append(group_advantage)
-            with torch.no_grad():
-                # pi_old is needed only when a batch is reused (num_iterations > 1); with a single
-                # pass the ratio is 1 and old = logp.detach() in compute_loss (the seed computed it anyway).
-                if args.num_iterations > 1:
-                    experiences["old_action_log_probs"].append(self.get_action_log_probs(self.model, samples.prompt_response_ids, samples.attention_mask, samples.num_actions))
-                if self.ref_model is not None:
-                    experiences["ref_action_log_probs"].append(self.get_action_log_probs(self.ref_model, samples.prompt_response_ids, samples.attention_mask, samples.num_actions))
-        self.metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)
-        result = {key: experiences[key] for key in EXPERIENCE_KEYS}
-        if args.num_iterations == 1:
-            result["old_action_log_probs"] = None
-        if self.ref_model is None:
-            result["ref_action_log_probs"] = None
-        return result
+            experiences["advantages"].append(group_advantages_)
 
-    def log_sampling_metrics(self, rewards_per_func, rewards, lengths, truncated, keep):
-        m = self.metrics
-        m["reward"].extend(rewards.flatten().tolist())
+        metrics["time/sampling"].append(sampling_time)
+        metrics["time/reward"].append(time.perf_counter() - start)
+        metrics["reward"] = rewards.flatten().tolist()
         for name, column in zip(self.reward_names, rewards_per_func.T):
-            m[f"rewards/{name}"].extend(column.tolist())
-        m["reward_std"].extend(rewards.std(dim=1).tolist())
-        m["frac_reward_zero_std"].extend((rewards.std(dim=1) == 0).float().tolist())
-        m["frac_groups_skipped"].extend((~keep).float().tolist())
-        m["completions/length"].extend(lengths.tolist())
-        m["completions/clipped_ratio"].extend(truncated.float().tolist())
+            metrics[f"rewards/{name}"] = column.tolist()
+        metrics["reward_std"] = rewards.std(dim=1).tolist()
+        metrics["frac_reward_zero_std"] = (rewards.std(dim=1) == 0).float().tolist()
+        metrics["frac_groups_skipped"] = (~keep).float().tolist()
+        metrics["completions/length"] = lengths.tolist()
+        metrics["completions/clipped_ratio"] = truncated.float().tolist()
+        experiences["metrics"] = metrics
+        return experiences
 
-    # ---- 5.3 the DAPO loss ----
-    def compute_loss(self, model, inputs):
-        """DAPO policy-gradient loss of one micro-batch (Eqs. 10 and 12, plus beta * k3 when beta > 0)."""
+    @torch.no_grad()
+    def make_micro_batches(self, groups):
+        """The rollout: groups (dict of lists) as micro-batches of batch_size groups, each padded to its
+        own longest prompt and response, with the reference model's log-probs when beta > 0."""
+        B = self.args.batch_size
+        micro_batches = []
+        for first in range(0, len(groups["advantages"]), B):
+            inputs = pad_and_cat_groups(
+                {key: groups[key][first : first + B] for key in GROUP_KEYS}, self.tokenizer.pad_token_id
+            )
+            inputs["old_action_log_probs"] = None  # pi_old = pi_theta: the ratio is 1 (one pass, one step)
+            if self.args.num_iterations > 1:
+                inputs["old_action_log_probs"] = self.get_action_log_probs(self.model, *self.model_inputs(inputs))
+            inputs["ref_action_log_probs"] = None
+            if self.ref_model is not None:
+                inputs["ref_action_log_probs"] = self.get_action_log_probs(self.ref_model, *self.model_inputs(inputs))
+            micro_batches.append(inputs)
+        return micro_batches
+
+    @staticmethod
+    def model_inputs(inputs):
+        return inputs["prompt_response_ids"], inputs["attention_mask"], inputs["action_mask"].size(1)
+
+    # ---- 4.3 the DAPO loss ----
+    def compute_loss(self, model, inputs, normaliser=None, return_metrics=False):
+        """DAPO policy-gradient loss of one micro-batch (Eqs. 10 and 12, plus beta * k3 when beta > 0).
+
+        normaliser: the optimizer step's loss denominator (see aggregate_loss); None = this micro-batch
+        is the whole step. With return_metrics, also returns the micro-batch's diagnostics.
+        """
         args = self.args
-        prompt_response_ids = inputs["prompt_response_ids"]  # [N, P+T]
-        attention_mask = inputs["attention_mask"]  # [N, P+T]
         action_mask = inputs["action_mask"]  # [N, T]
-        num_actions = action_mask.size(1)
-        action_log_probs, entropy = self.get_action_log_probs(model, prompt_response_ids, attention_mask, num_actions, with_entropy=True)
-        old_action_log_probs = inputs["old_action_log_probs"] if args.num_iterations > 1 else action_log_probs.detach()
+        log_probs, entropy = self.get_action_log_probs(model, *self.model_inputs(inputs), with_entropy=True)
+        old_log_probs = inputs["old_action_log_probs"]
+        old_log_probs = log_probs.detach() if old_log_probs is None else old_log_probs
         advantages = inputs["advantages"]  # [N]
-        per_token_loss, ratio = dapo_per_token_loss(action_log_probs, old_action_log_probs, advantages, args.clip_eps_low, args.clip_eps_high)
-        if args.beta != 0.0:
-            kl = k3_kl(action_log_probs, inputs["ref_action_log_probs"])  # [N, T]
-            per_token_loss = per_token_loss + args.beta * kl
-        loss = aggregate_loss(
-            per_token_loss,
-            action_mask,
-            args.loss_agg_mode,
-            args.num_generations,
-            num_step_tokens=inputs.get("num_step_tokens"),
-            num_micro_steps=args.gradient_accumulation_steps,
+        per_token_loss, ratio = dapo_per_token_loss(
+            log_probs, old_log_probs, advantages, args.clip_eps_low, args.clip_eps_high
         )
-        mask = action_mask.bool()
-        if not mask.any():  # every response filtered out (overlong_filter): no token to average over
+        if args.beta != 0.0:
+            kl = k3_kl(log_probs, inputs["ref_action_log_probs"])  # [N, T]
+            per_token_loss = per_token_loss + args.beta * kl
+        loss = aggregate_loss(per_token_loss, action_mask, args.loss_agg_mode, args.num_generations, normaliser)
+        if not return_metrics:
             return loss
-        with torch.no_grad():  # diagnostics, averaged over the micro-batch's response tokens
-            A = advantages.unsqueeze(1).expand_as(ratio)
-            self.metrics["clip_ratio/low_mean"].append(((ratio < 1 - args.clip_eps_low) & (A < 0))[mask].float().mean().item())
-            self.metrics["clip_ratio/high_mean"].append(((ratio > 1 + args.clip_eps_high) & (A > 0))[mask].float().mean().item())
-            self.metrics["entropy"].append(entropy[mask].mean().item())
-            if args.beta != 0.0:
-                self.metrics["kl"].append(kl[mask].mean().item())
-        return loss
+        metrics = {}
+        mask = action_mask.bool()
+        if mask.any():  # diagnostics over the micro-batch's response tokens (none if all were filtered out)
+            with torch.no_grad():
+                A = advantages.unsqueeze(1).expand_as(ratio)
+                metrics["clip_ratio/low_mean"] = ((ratio < 1 - args.clip_eps_low) & (A < 0))[mask].float().mean().item()
+                metrics["clip_ratio/high_mean"] = (
+                    ((ratio > 1 + args.clip_eps_high) & (A > 0))[mask].float().mean().item()
+                )
+                metrics["entropy"] = entropy[mask].mean().item()
+                if args.beta != 0.0:
+                    metrics["kl"] = kl[mask].mean().item()
+        return loss, metrics
 
-    # ---- 5.4 log-probabilities ----
+    # ---- 4.4 log-probabilities ----
     def get_action_log_probs(self, model, input_ids, attention_mask, num_actions, with_entropy=False):
         """log pi(o_t | q, o_<t) of the last num_actions tokens: [N, T] (and the entropy [N, T]).
 
         Logits at position t predict token t+1, so the T positions before the last score the T
-        response tokens. Only their logits are computed (`logits_to_keep` given as indices), and
-        the log-softmax is taken row by row (selective_log_softmax).
-        Position ids follow the attention mask, as in generate, so left padding does not shift them.
+        response tokens; only their logits are computed (`logits_to_keep` as indices). Position ids
+        follow the attention mask, as in generate, so left padding does not shift them.
         """
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-        labels = input_ids[:, -num_actions:]  # [N, T]
         width = input_ids.size(1)
-        # The T positions that predict the response (efficient) or every position (the seed's 0).
-        keep = torch.arange(width - num_actions - 1, width - 1, device=input_ids.device) if self.args.efficient_log_probs else 0
+        keep = torch.arange(width - num_actions - 1, width - 1, device=input_ids.device)
         with self.autocast():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep).logits
-        if self.args.efficient_log_probs:
-            log_probs, entropy = selective_log_softmax(logits, labels)  # [N, T] each
-        else:  # the seed: a float32 log-softmax over every position, [N, P+T-1, V]
-            all_log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)[:, -num_actions:]  # [N, T, V]
-            log_probs = all_log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-            if with_entropy:
-                with torch.no_grad():
-                    entropy = -(all_log_probs.exp() * all_log_probs).sum(dim=-1)  # H = -sum p log p
+            logits = model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep
+            ).logits  # [N, T, V]
+        log_probs, entropy = selective_log_softmax(logits, input_ids[:, -num_actions:])  # [N, T] each
         return (log_probs, entropy) if with_entropy else log_probs
 
-    # ---- 5.5 one micro-step ----
-    def train_step(self, model, inputs, optimizer, step):
-        """Backward one micro-batch; step the optimizer after every gradient_accumulation_steps of them."""
-        args = self.args
-        model.train()
+    # ---- 4.5 one micro-step ----
+    def train_step(self, model, inputs, normaliser=None):
+        """Forward and backward one micro-batch; its gradient adds to the step's. Returns its metrics."""
         start = time.perf_counter()
-        loss = self.compute_loss(model, inputs) / args.gradient_accumulation_steps
+        loss, metrics = self.compute_loss(model, inputs, normaliser, return_metrics=True)
         loss.backward()
-        self.metrics["loss"].append(loss.item())
-        self.metrics["num_tokens"].append(int(inputs["action_mask"].sum()))
-        if (step + 1) % args.gradient_accumulation_steps == 0:
-            max_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
-            self.metrics["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-            self.metrics["learning_rate"].append(self.scheduler.get_last_lr()[0])
-            optimizer.step()
-            self.scheduler.step()
-            optimizer.zero_grad()
-        self.metrics["time/training"].append(time.perf_counter() - start)
-        self.append_line("training_losses.txt", f"{self.update_steps},{loss.item():.8f}")
+        num_tokens = int(inputs["action_mask"].sum())
+        return {**metrics, "loss": loss.item(), "num_tokens": num_tokens, "time/training": time.perf_counter() - start}
 
+    # ---- 4.6 Algorithm 1 ----
+    def train(self):
+        """Sample -> reward -> filter -> buffer, then optimizer steps over the rollout; log, eval, save."""
+        args, state = self.args, self.state
+        G, B, accumulation = args.num_generations, args.batch_size, args.gradient_accumulation_steps
+        groups_per_rollout = B * accumulation
+        self.global_steps = args.num_iterations * args.epoch * len(self.train_dataset) // groups_per_rollout
+        if args.max_steps:
+            self.global_steps = min(self.global_steps, args.max_steps)
+        self.tracker = Tracker(args.report_to, args.output_dir, dataclasses.asdict(args))
+        if not self.resumed:  # a resumed run evaluated before its checkpoint
+            self.evaluate_and_log()
+        metrics = defaultdict(list)  # what this optimizer step gathered
+        bar = dict(total=self.global_steps, initial=state.update_steps, desc="DAPO", unit="step", dynamic_ncols=True)
+        with (
+            tqdm(**bar, mininterval=1.0) as self.progress,
+            self.deferred_interrupts(),
+            contextlib.closing(self.tracker),
+        ):
+            batches = self.prompt_batches()
+            while True:
+                if state.rollout is None:
+                    # 1. Sample G responses per prompt, score them, drop the groups without signal
+                    #    (dynamic sampling), and buffer the rest until the step's groups are there.
+                    batch = next(batches, None)
+                    if batch is None:
+                        break
+                    experiences = self.generate_experiences(batch)
+                    for key, values in experiences.pop("metrics").items():
+                        metrics[key] += values
+                    for key in GROUP_KEYS:
+                        state.buffer[key] += experiences[key]
+                    state.rounds += 1
+                    if len(state.buffer["advantages"]) < groups_per_rollout:
+                        self.check_rounds()
+                        continue
+                    start = time.perf_counter()
+                    rollout = {key: state.buffer[key][:groups_per_rollout] for key in GROUP_KEYS}
+                    state.buffer = {key: state.buffer[key][groups_per_rollout:] for key in GROUP_KEYS}
+                    state.rollout, state.updates_done = self.make_micro_batches(rollout), 0
+                    metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)
+                    metrics["num_gen_batches"].append(state.rounds)
+                    state.rounds = 0
+
+                # 2. One optimizer step: gradient accumulation over the rollout's micro-batches.
+                micro_batches = state.rollout
+                normaliser = sum(loss_normaliser(m["action_mask"], args.loss_agg_mode, G) for m in micro_batches)
+                self.model.train()
+                losses = []
+                for inputs in micro_batches:
+                    for key, value in self.train_step(self.model, inputs, normaliser).items():
+                        metrics[key].append(value)
+                    losses.append(metrics["loss"][-1])
+                max_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
+                metrics["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
+                metrics["learning_rate"].append(self.scheduler.get_last_lr()[0])
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad()
+                state.update_steps += 1
+                state.updates_done += 1
+                if state.updates_done == args.num_iterations:
+                    state.rollout = None
+
+                # 3. Step end: log, evaluate, save, stop.
+                for loss in losses:  # the seed's file: one line per micro-step, numbered by the steps before it
+                    self.append_line("training_losses.txt", f"{state.update_steps - 1},{loss:.8f}")
+                self.log_step(metrics)
+                metrics = defaultdict(list)
+                if state.update_steps % args.eval_steps == 0:
+                    self.evaluate_and_log()
+                if state.update_steps % args.save_steps == 0 or self.stop_requested:
+                    self.save_checkpoint()
+                if self.stop_requested:
+                    tqdm.write(f"stopped; continue with: python train.py --resume={self.checkpoint_path()}")
+                    raise KeyboardInterrupt
+                if state.update_steps == args.max_steps:
+                    break
+
+    def prompt_batches(self):
+        """Epochs of prompt batches, in a seeded order per epoch, so that a resumed run skips exactly the
+        batches it had consumed. The seed's buffer lives for one epoch: a partial step is dropped."""
+        state = self.state
+        while state.epoch < self.args.epoch:
+            order = torch.Generator().manual_seed(self.args.seed + state.epoch)
+            loader = DataLoader(self.train_dataset, batch_size=self.args.batch_size, shuffle=True, generator=order)
+            for index, batch in enumerate(loader):
+                if index >= state.batches_done:
+                    state.batches_done += 1
+                    yield batch
+            state.epoch, state.batches_done, state.rounds = state.epoch + 1, 0, 0
+            state.buffer = {key: [] for key in GROUP_KEYS}
+
+    def check_rounds(self):
+        """max_num_gen_batches: give up when dynamic sampling keeps too few groups, saying why."""
+        args, state = self.args, self.state
+        if args.max_num_gen_batches and state.rounds >= args.max_num_gen_batches:
+            raise RuntimeError(
+                f"{state.rounds} sampling rounds gave only {len(state.buffer['advantages'])} of "
+                f"{args.batch_size * args.gradient_accumulation_steps} valid groups (dynamic sampling skips "
+                "groups whose responses all score the same). Raise max_num_gen_batches (0 = no limit), use an "
+                "easier data set or a stronger model."
+            )
+
+    @contextlib.contextmanager
+    def deferred_interrupts(self):
+        """First Ctrl-C: finish this optimizer step, save a checkpoint, stop. Second: stop at once."""
+
+        def request_stop(signum, frame):
+            if self.stop_requested:
+                raise KeyboardInterrupt
+            self.stop_requested = True
+            tqdm.write("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: stop now, no checkpoint)")
+
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, request_stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    # ---- 4.7 logging ----
     def append_line(self, filename, line):
         os.makedirs(self.args.output_dir, exist_ok=True)
         with open(os.path.join(self.args.output_dir, filename), "a", encoding="utf-8") as f:
             f.write(line + "\n")
 
-    # ---- 5.6 the training loop ----
-    def train(self):
-        args = self.args
-        if not self.resumed:  # a resumed run evaluated before its checkpoint
-            self.evaluate_and_log()
-        self.global_steps = args.num_iterations * args.epoch * len(self.train_dataset) // (args.batch_size * args.gradient_accumulation_steps)
-        if args.max_steps:
-            self.global_steps = min(self.global_steps, args.max_steps)
-        with tqdm(total=self.global_steps, initial=self.update_steps, desc="DAPO", unit="step", dynamic_ncols=True, mininterval=1.0) as self.progress:
-            try:
-                self.train_epochs()
-            except KeyboardInterrupt:
-                path = self.save_checkpoint()
-                tqdm.write(f"interrupted: saved {path}; continue with: python train.py --resume={path}")
-                raise
-
-    def train_epochs(self):
-        """Algorithm 1: sample, filter, buffer; every gradient_accumulation_steps micro-batches, optimize."""
-        args = self.args
-        if self.iteration < args.num_iterations and self.optimize():  # resumed between two passes of a step
-            return
-        while self.epoch < args.epoch:
-            # A seeded order per epoch, so that a resumed run can skip the batches already consumed.
-            order = torch.Generator().manual_seed(args.seed + self.epoch)
-            dataloader = DataLoader(self.train_dataset, batch_size=args.batch_size, shuffle=True, generator=order)
-            for batch_index, batch in enumerate(dataloader):
-                if batch_index < self.batches_done:
-                    continue
-                self.batches_done += 1
-                if self.fill_micro_batch(batch) and self.optimize():
-                    return
-            self.epoch, self.batches_done, self.micro_batches, self.rounds = self.epoch + 1, 0, 0, 0
-            self.buffer = {key: [] for key in EXPERIENCE_KEYS}  # the seed's buffer lives for one epoch
-
-    def fill_micro_batch(self, batch):
-        """Sample one batch into the buffer; file batch_size valid groups as the next micro-batch.
-
-        Returns True when the optimizer step's gradient_accumulation_steps micro-batches are ready.
-        """
-        args = self.args
-        experiences = self.generate_experiences(batch)
-        self.rounds += 1
-        for key in EXPERIENCE_KEYS:
-            if experiences[key] is not None:
-                self.buffer[key] += experiences[key]
-        if len(self.buffer["advantages"]) < args.batch_size:
-            if args.max_num_gen_batches and self.rounds >= args.max_num_gen_batches:
-                raise RuntimeError(
-                    f"{self.rounds} sampling rounds gave only {len(self.buffer['advantages'])} of {args.batch_size} valid groups "
-                    "(dynamic sampling skips groups whose responses all score the same). Raise "
-                    "max_num_gen_batches (0 = no limit), use an easier data set or a stronger model."
-                )
-            return False
-        self.metrics["num_gen_batches"].append(self.rounds)
-        self.rounds = 0
-        micro_batch = {key: self.buffer[key][: args.batch_size] or None for key in EXPERIENCE_KEYS}
-        self.buffer = {key: self.buffer[key][args.batch_size :] for key in EXPERIENCE_KEYS}
-        self.input_buffer[self.micro_batches % args.gradient_accumulation_steps] = pad_and_cat_groups(micro_batch, self.tokenizer.pad_token_id)
-        self.micro_batches += 1
-        if self.micro_batches % args.gradient_accumulation_steps:
-            return False
-        self.iteration = 0
-        return True
-
-    def optimize(self):
-        """num_iterations optimizer steps over the buffered micro-batches; True once max_steps is reached."""
-        args = self.args
-        num_step_tokens = sum(int(inputs["action_mask"].sum()) for inputs in self.input_buffer)  # for "token-mean"
-        while self.iteration < args.num_iterations:
-            for step, inputs in enumerate(self.input_buffer):
-                inputs["num_step_tokens"] = num_step_tokens
-                self.train_step(self.model, inputs, self.optimizer, step)
-            self.iteration += 1
-            self.update_steps += 1
-            self.log_step()
-            if self.update_steps % args.eval_steps == 0:
-                self.evaluate_and_log()
-            self.boundary = self.loop_state()  # what a checkpoint, also one written on Ctrl-C, resumes from
-            if self.update_steps % args.save_steps == 0:
-                self.save_checkpoint()
-            if self.update_steps == args.max_steps:
-                return True
-        return False
-
-    # ---- 5.7 logging ----
-    def log_step(self):
-        """Summarise what this optimizer step gathered, append it to metrics.jsonl, update the bar."""
-        record = {"step": self.update_steps}
-        for key, values in self.metrics.items():
+    def log_step(self, metrics):
+        """Reduce what this optimizer step gathered to one record: metrics.jsonl, the tracker, the bar."""
+        record = {"step": self.state.update_steps}
+        for key, values in metrics.items():
             if key.startswith("time/") or key in ("loss", "num_tokens"):  # totals over the step
                 record[key] = sum(values)
             elif key == "completions/length":
-                record.update({"completions/mean_length": mean(values), "completions/min_length": min(values), "completions/max_length": max(values)})
-                record["sampled_tokens"] = sum(values)
+                record.update({"completions/mean_length": mean(values), "completions/min_length": min(values)})
+                record.update({"completions/max_length": max(values), "sampled_tokens": sum(values)})
             elif key.startswith("rewards/"):  # per reward function, as TRL names them
                 record[f"{key}/mean"], record[f"{key}/std"] = mean(values), std(values)
             else:
                 record[key] = mean(values)
-        record["skipped_groups"] = self.skipped_groups
+        record["skipped_groups"] = self.state.skipped_groups
         if record.get("time/sampling"):
             record["sampled_tokens_per_second"] = record["sampled_tokens"] / record["time/sampling"]
         if record.get("time/training"):
             record["train_tokens_per_second"] = record["num_tokens"] / record["time/training"]
         if self.args.device.startswith("cuda"):
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        self.metrics = defaultdict(list)
         self.history.append(record)
         self.append_line("metrics.jsonl", json.dumps(record, ensure_ascii=False))
+        self.tracker.log(record)
         self.progress.set_postfix(
             loss=f"{record['loss']:.4f}",
             reward=f"{record.get('reward', math.nan):.3f}",
@@ -1032,20 +1073,30 @@ class DapoTrainer:
 
     def evaluate_and_log(self):
         """Evaluate; append to accuracy_losses.txt and samples.jsonl; redraw curves.png."""
-        self.last_accuracy = self.evaluate(num_samples=self.args.eval_samples, batch_size=self.args.eval_batch_size)
-        tqdm.write(f"step {self.update_steps}: accuracy {self.last_accuracy:.2f}")
-        self.append_line("accuracy_losses.txt", f"{self.update_steps},{self.last_accuracy:.2f}")
-        for sample in self.eval_examples:
-            self.append_line("samples.jsonl", json.dumps({"step": self.update_steps, **sample}, ensure_ascii=False))
-        plot_curves(self.args.output_dir)
+        self.last_accuracy, examples = self.evaluate(
+            self.args.eval_samples, self.args.eval_batch_size, return_examples=True
+        )
+        step = self.state.update_steps
+        tqdm.write(f"step {step}: accuracy {self.last_accuracy:.2f}")
+        self.append_line("accuracy_losses.txt", f"{step},{self.last_accuracy:.2f}")
+        for example in examples:
+            self.append_line("samples.jsonl", json.dumps({"step": step, **example}, ensure_ascii=False))
+        if self.tracker is not None:
+            self.tracker.log({"step": step, "eval/accuracy": self.last_accuracy})
+        try:  # a picture must never end a run
+            from curves import plot_curves
+
+            plot_curves(self.args.output_dir)
+        except Exception as error:  # noqa: BLE001
+            warnings.warn(f"could not draw curves.png: {error!r}")
         return self.last_accuracy
 
-    # ---- 5.8 evaluation ----
+    # ---- 4.8 evaluation ----
     @torch.no_grad()
-    def evaluate(self, num_samples=100, batch_size=20):
+    def evaluate(self, num_samples=100, batch_size=20, return_examples=False):
         """Accuracy of one sampled answer per problem on num_samples random test problems.
 
-        Also keeps the first few problems with their responses and rewards in self.eval_examples.
+        With return_examples, also the first few problems with their responses and rewards.
         """
         if len(self.eval_dataset) > num_samples:
             indices = torch.randperm(len(self.eval_dataset))[:num_samples].tolist()
@@ -1053,8 +1104,7 @@ class DapoTrainer:
         else:  # a small eval set is used whole
             eval_subset = self.eval_dataset
         self.model.eval()
-        correct_count, total_count = 0, 0
-        self.eval_examples = []
+        correct_count, total_count, examples = 0, 0, []
         for batch in DataLoader(eval_subset, batch_size=batch_size, shuffle=False):
             input_ids, attention_mask = self.encode_prompts(batch["prompt"])
             # Responses start right after the padded prompt, at the same column for every row.
@@ -1063,56 +1113,46 @@ class DapoTrainer:
             for response, answer in zip(responses, batch["answer"]):
                 correct_count += extract_answer(response) == normalize_answer(answer)
                 total_count += 1
-            if len(self.eval_examples) < NUM_LOGGED_EXAMPLES:
-                self.eval_examples += self.describe_examples(batch, responses, response_ids)[: NUM_LOGGED_EXAMPLES - len(self.eval_examples)]
+            if return_examples and len(examples) < NUM_LOGGED_EXAMPLES:
+                examples += self.describe_examples(batch, responses)[: NUM_LOGGED_EXAMPLES - len(examples)]
         self.model.train()
-        return correct_count / total_count if total_count else 0.0
+        accuracy = correct_count / total_count if total_count else 0.0
+        return (accuracy, examples) if return_examples else accuracy
 
-    def describe_examples(self, batch, responses, response_ids):
+    def describe_examples(self, batch, responses):
         """Evaluation examples as samples.jsonl records: prompt, response, answers and each reward."""
-        lengths = response_mask(response_ids, self.eos_token_ids, response_ids.size(1)).sum(dim=1).tolist()
         answers = list(batch["answer"])
-        rewards = self.score_rewards(list(batch["prompt"]), responses, answers, lengths)  # [N, F]
+        rewards = self.score_rewards(list(batch["prompt"]), responses, answers)  # [N, F]
         return [
             {
                 "prompt": prompt,
                 "response": response,
                 "extracted_answer": extract_answer(response),
                 "answer": normalize_answer(answer),
-                "rewards": {name: None if math.isnan(value) else value for name, value in zip(self.reward_names, row.tolist())},
+                "rewards": {name: None if math.isnan(v) else v for name, v in zip(self.reward_names, row.tolist())},
             }
             for prompt, response, answer, row in zip(batch["prompt"], responses, answers, rewards)
         ]
 
-    # ---- 5.9 checkpoints and resuming ----
-    def loop_state(self):
-        """Everything besides weights and optimizer that a resumed run needs to continue exactly."""
-        args = self.args
-        return {
-            **{key: getattr(self, key) for key in LOOP_COUNTERS},
-            "buffer": {key: list(values) for key, values in self.buffer.items()},
-            # Pending passes of num_iterations > 1 need the step's micro-batches; otherwise they are spent.
-            "input_buffer": list(self.input_buffer) if self.iteration < args.num_iterations else None,
-            "rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if args.device.startswith("cuda") else [],
-        }
+    # ---- 4.9 checkpoints and resuming ----
+    def checkpoint_path(self, step=None):
+        return os.path.join(self.args.output_dir, f"checkpoint_{self.state.update_steps if step is None else step}")
 
     def save_checkpoint(self):
         """output_dir/checkpoint_N: model, tokenizer, optimizer, scheduler, loop position, RNG, arguments.
 
-        Written to checkpoint_N.tmp and renamed into place, so a crash never leaves a complete-looking
-        half checkpoint. The loop state is the last step boundary's (self.boundary).
+        Written at a step end to checkpoint_N.tmp and renamed into place, so a crash never leaves a
+        complete-looking half checkpoint.
         """
-        state = self.boundary if self.boundary["update_steps"] == self.update_steps else self.loop_state()
-        final = os.path.join(self.args.output_dir, f"checkpoint_{state['update_steps']}")
+        final = self.checkpoint_path()
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
-        torch.save(
-            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), **state},
-            os.path.join(tmp, TRAINER_STATE),
-        )
+        cuda_rng = torch.cuda.get_rng_state_all() if self.args.device.startswith("cuda") else []
+        trainer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        trainer_state.update(loop=self.state.state_dict(), rng=torch.get_rng_state(), cuda_rng=cuda_rng)
+        torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
         with open(os.path.join(tmp, ARGS_FILE), "w", encoding="utf-8") as f:
             json.dump(dataclasses.asdict(self.args), f, indent=2)
         shutil.rmtree(final, ignore_errors=True)
@@ -1122,32 +1162,68 @@ class DapoTrainer:
     def resume(self, checkpoint):
         """Continue from a checkpoint: weights, optimizer, scheduler, loop position and RNG; the logs
         in output_dir are cut back to its step so that no line is written twice."""
-        state = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location=self.args.device, weights_only=True)
+        saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location=self.args.device, weights_only=True)
         self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict())
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        for key in LOOP_COUNTERS:
-            setattr(self, key, state[key])
-        self.buffer = state["buffer"]
-        if state["input_buffer"] is not None:
-            self.input_buffer = state["input_buffer"]
-        torch.set_rng_state(state["rng"].cpu())
-        if state["cuda_rng"]:
-            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
-        self.boundary = self.loop_state()
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.state.load_state_dict(saved["loop"])
+        torch.set_rng_state(saved["rng"].cpu())
+        if saved["cuda_rng"]:
+            torch.cuda.set_rng_state_all([s.cpu() for s in saved["cuda_rng"]])
         self.resumed = True
-        step = self.update_steps
-        out = self.args.output_dir
+        step, out = self.state.update_steps, self.args.output_dir
         # training_losses lines carry the steps finished *before* their micro-step; the others, their step.
-        cut_log(os.path.join(out, "training_losses.txt"), lambda line: int(line.split(",")[0]) < step)
-        cut_log(os.path.join(out, "accuracy_losses.txt"), lambda line: int(line.split(",")[0]) <= step)
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        cut_log(os.path.join(out, LOG_FILES[0]), lambda line: int(line.split(",")[0]) < step)
+        cut_log(os.path.join(out, LOG_FILES[1]), lambda line: int(line.split(",")[0]) <= step)
+        for name in LOG_FILES[2:]:
             cut_log(os.path.join(out, name), lambda line: json.loads(line)["step"] <= step)
+        from curves import read_jsonl
+
         self.history = read_jsonl(os.path.join(out, "metrics.jsonl"))
 
     def save_model(self):
         self.model.save_pretrained(self.args.output_dir)
         self.tokenizer.save_pretrained(self.args.output_dir)
+
+
+class Tracker:
+    """report_to's experiment tracker; its package is imported only when named."""
+
+    def __init__(self, report_to, output_dir, config):
+        self.kind, self.backend = report_to, None
+        if report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.backend = SummaryWriter(os.path.join(output_dir, "runs"))
+        elif report_to in ("wandb", "trackio"):
+            self.backend = importlib.import_module(report_to)
+            self.backend.init(project="dapo", config=config)
+
+    def log(self, record):
+        values = {key: value for key, value in record.items() if key != "step" and isinstance(value, (int, float))}
+        if self.kind == "tensorboard":
+            for key, value in values.items():
+                self.backend.add_scalar(key, value, record["step"])
+        elif self.backend is not None:
+            self.backend.log(values, step=record["step"])
+
+    def close(self):
+        if self.kind == "tensorboard":
+            self.backend.close()
+        elif self.backend is not None:
+            self.backend.finish()
+
+
+def mean(values):
+    return sum(values) / len(values)
+
+
+def std(values):
+    """Unbiased standard deviation (0 for fewer than two values)."""
+    if len(values) < 2:
+        return 0.0
+    m = mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
 
 
 def cut_log(path, keep):
@@ -1161,23 +1237,19 @@ def cut_log(path, keep):
     os.replace(path + ".tmp", path)
 
 
-def read_jsonl(path):
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def find_checkpoint(resume, output_dir):
     """--resume=output/checkpoint_N, or --resume=latest: the highest-numbered one in output_dir."""
     if resume != "latest":
         if not os.path.isfile(os.path.join(resume, TRAINER_STATE)):
             raise FileNotFoundError(f"{resume!r} is not a checkpoint folder (no {TRAINER_STATE} in it)")
         return resume
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     steps = [
         int(name.split("_")[1])
-        for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
-        if name.startswith("checkpoint_") and name.split("_")[1].isdigit() and os.path.isfile(os.path.join(output_dir, name, TRAINER_STATE))
+        for name in names
+        if name.startswith("checkpoint_")
+        and name.split("_")[1].isdigit()
+        and os.path.isfile(os.path.join(output_dir, name, TRAINER_STATE))
     ]
     if not steps:
         raise FileNotFoundError(f"no checkpoint to resume in {output_dir!r}")
@@ -1185,101 +1257,34 @@ def find_checkpoint(resume, output_dir):
 
 
 # ============================================================
-# 6. Curves: output_dir/curves.png
+# 5. Entry point
 # ============================================================
-def read_seed_log(path):
-    """{step: value} from a seed-format text log ("step,value" lines); values of one step are summed."""
-    values = defaultdict(float)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    step, value = line.strip().split(",")
-                    values[int(step)] += float(value)
-    return dict(values)
-
-
-def plot_curves(output_dir):
-    """Draw output_dir/curves.png from the logs there; the seed's two text files are enough.
-
-    Panels: loss and accuracy (the text files), and from metrics.jsonl when present: mean reward,
-    total and per function; response length; fraction of groups skipped by dynamic sampling.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # A micro-step line "k,loss" belongs to optimizer step k + 1; its lines add up to that step's loss.
-    losses = {step + 1: value for step, value in read_seed_log(os.path.join(output_dir, "training_losses.txt")).items()}
-    accuracy = read_seed_log(os.path.join(output_dir, "accuracy_losses.txt"))
-    records = read_jsonl(os.path.join(output_dir, "metrics.jsonl"))
-    panels = [("loss", {"loss": losses}), ("accuracy", {"accuracy": accuracy})]
-    if records:
-        series = lambda key: {r["step"]: r[key] for r in records if key in r}  # noqa: E731
-        reward_keys = sorted({key for r in records for key in r if key.startswith("rewards/") and key.endswith("/mean")})
-        panels += [
-            ("mean reward", {"total": series("reward"), **{key.split("/")[1]: series(key) for key in reward_keys}}),
-            ("response length (tokens)", {"mean": series("completions/mean_length"), "max": series("completions/max_length")}),
-            ("groups skipped (fraction)", {"skipped": series("frac_groups_skipped")}),
-        ]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels)), sharex=True, squeeze=False)
-    for ax, (title, lines) in zip(axes[:, 0], panels):
-        for label, points in lines.items():
-            if points:
-                steps = sorted(points)
-                ax.plot(steps, [points[s] for s in steps], marker="." if len(steps) < 30 else None, label=label)
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-        if len(lines) > 1:
-            ax.legend(fontsize=8)
-    axes[-1, 0].set_xlabel("update step")
-    fig.tight_layout()
-    path = os.path.join(output_dir, "curves.png")
-    fig.savefig(path + ".tmp.png", dpi=100)
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
-    return path
-
-
-# ============================================================
-# 7. Entry point
-# ============================================================
-def parse_value(field, text):
-    """Convert a command-line string to a DapoArguments field's type."""
-    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
-    if "List" in str(field.type) or "list" in kind:
-        return None if text.lower() in ("none", "") else [float(v) for v in text.split(",")]
-    if field.type in (bool, "bool"):
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"expected true or false, got {text!r}")
-    caster = {"int": int, "float": float, "str": str}.get(kind, field.default.__class__)
-    return caster(text)
-
-
 def parse_cli(argv=None):
-    """`--field=value` for every DapoArguments field, plus --demo, --preset, --resume and --plot."""
-    parser = argparse.ArgumentParser(description="DAPO training on GSM8K (Chinese).", allow_abbrev=False)
+    """DapoArguments fields as `--field=value` (lists as `1,0.5`), plus --demo, --preset, --resume, --plot.
+
+    Returns (the extra options, {field: value} for the fields given on the command line).
+    """
+    parser = HfArgumentParser(DapoArguments, description="DAPO training on GSM8K (Chinese).", allow_abbrev=False)
     parser.add_argument("--demo", action="store_true", help="train a tiny built-in world on CPU (no download)")
-    parser.add_argument("--preset", choices=["seed", "paper"], default="seed", help="seed: the notes' settings; paper: DAPO as in the paper")
-    parser.add_argument("--resume", metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest' in output_dir")
+    parser.add_argument(
+        "--preset",
+        choices=["seed", "paper"],
+        default="seed",
+        help="seed: the notes' settings; paper: DAPO as in the paper",
+    )
+    parser.add_argument("--resume", metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest'")
     parser.add_argument("--plot", metavar="DIR", help="draw DIR/curves.png from an existing output folder, then exit")
-    fields = {f.name: f for f in dataclasses.fields(DapoArguments)}
-    for name in fields:
-        parser.add_argument(f"--{name}", type=str, default=None, metavar="VALUE")
-    cli = parser.parse_args(argv)
-    overrides = {}
-    for name, field in fields.items():
-        text = getattr(cli, name)
-        if text is not None:
-            try:
-                overrides[name] = parse_value(field, text)
-            except ValueError as error:
-                parser.error(f"--{name}={text}: {error}")
-    return cli, overrides
+    fields = [f.name for f in dataclasses.fields(DapoArguments)]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i, token in enumerate(argv):  # `--reward_weights=1,0.5` -> `--reward_weights 1 0.5`
+        if token.startswith("--reward_weights="):
+            argv[i : i + 1] = ["--reward_weights", *token.split("=", 1)[1].split(",")]
+    # Fields left at this sentinel were not given, so that presets and checkpoints can fill them.
+    namespace = parser.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(fields, dataclasses.MISSING)))
+    overrides = {
+        name: getattr(namespace, name) for name in fields if getattr(namespace, name) is not dataclasses.MISSING
+    }
+    return namespace, overrides
 
 
 def build_args(preset, overrides):
@@ -1294,8 +1299,8 @@ def missing_inputs_message(args):
     return (
         f"Model folder {args.model_path!r} or data set folder {args.data_path!r} not found.\n"
         "Download them first (about 3 GB and 5 MB):\n"
-        f"  huggingface-cli download Qwen/Qwen2.5-1.5B-Instruct --local-dir {args.model_path}\n"
-        f"  huggingface-cli download swulling/gsm8k_chinese --repo-type dataset --local-dir {args.data_path}\n"
+        f"  hf download Qwen/Qwen2.5-1.5B-Instruct --local-dir {args.model_path}\n"
+        f"  hf download swulling/gsm8k_chinese --repo-type dataset --local-dir {args.data_path}\n"
         "or from ModelScope:\n"
         f"  modelscope download --model Qwen/Qwen2.5-1.5B-Instruct --local_dir {args.model_path}\n"
         f"  modelscope download --dataset swulling/gsm8k_chinese --local_dir {args.data_path}\n"
@@ -1320,12 +1325,14 @@ def build_trainer(args):
 def main(argv=None):
     cli, overrides = parse_cli(argv)
     if cli.plot:
+        from curves import plot_curves
+
         print(f"wrote {plot_curves(cli.plot)}")
         return None
     if cli.demo:  # the tiny world's settings, under anything given on the command line
-        from tiny_world import demo_settings, run_demo
+        import tiny_world
 
-        demo_args, warm_up_steps = demo_settings(cli.preset)
+        demo_args, warm_up_steps = tiny_world.demo_settings(cli.preset)
         overrides = {**demo_args, **overrides}
     checkpoint = None
     if cli.resume:  # the checkpoint's arguments, under anything given on the command line
@@ -1336,8 +1343,12 @@ def main(argv=None):
         args = build_args(cli.preset, overrides)
     except ValueError as error:
         sys.exit(f"error: {error}")
-    if cli.demo:
-        return run_demo(args, warm_up_steps)
+    if cli.demo:  # a fresh world; the demo's folder starts afresh (a real run appends, as the seed does)
+        for name in LOG_FILES:
+            if os.path.exists(os.path.join(args.output_dir, name)):
+                os.remove(os.path.join(args.output_dir, name))
+        world = tiny_world.build_tiny_world(args.output_dir, SYSTEM_PROMPT, warm_up_steps=warm_up_steps)
+        args.model_path, args.data_path = world
     if not os.path.exists(args.model_path) or not os.path.isdir(args.data_path):
         sys.exit(missing_inputs_message(args))
     trainer = build_trainer(args)
@@ -1348,6 +1359,8 @@ def main(argv=None):
     except KeyboardInterrupt:  # train() saved a checkpoint and said how to resume
         sys.exit(130)
     trainer.save_model()
+    if cli.demo:
+        print(tiny_world.demo_summary(trainer.history, args.output_dir))
     return trainer
 
 
