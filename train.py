@@ -23,7 +23,6 @@ import importlib.util
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -32,6 +31,7 @@ import warnings
 from collections import defaultdict
 from copy import deepcopy
 from dataclasses import dataclass, field
+from statistics import fmean, stdev
 from typing import Any, Callable, List, Optional, Union
 
 import torch
@@ -39,28 +39,14 @@ import torch.nn.functional as F
 from datasets import load_dataset
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    GenerationConfig,
-    HfArgumentParser,
-    LogitsProcessor,
-    LogitsProcessorList,
-    PreTrainedModel,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+from transformers import HfArgumentParser, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from reward_func import (
-    correctness_reward,
-    digit_reward,
-    extract_answer,
-    hard_format_reward,
-    mark_reward,
-    normalize_answer,
-)
+from reward_func import correctness_reward, digit_reward, extract_answer, hard_format_reward, mark_reward
+from reward_func import normalize_answer
+from checkpoints import ARGS_FILE, LOG_FILES, find_checkpoint, resume, save_checkpoint
+from trackers import make_tracker
 
 SYSTEM_PROMPT = """
 按照如下格式回答问题：
@@ -139,14 +125,12 @@ GROUP_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "advantage
 # ============================================================
 LOSS_AGG_MODES = ("seed", "token-mean", "seq-mean-token-mean")
 FILTER_METRICS = ("reward", "correctness", "none")
-TRACKERS = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}  # name -> package
+TRACKERS = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}  # report_to -> package
 
 
-def arg(default, help, **metadata):
+def arg(default, help):
     """A DapoArguments field whose help text `python train.py --help` prints."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
-    return field(default=default, metadata={"help": help, **metadata})
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
@@ -163,7 +147,8 @@ class DapoArguments:
     max_steps: int = arg(0, "stop after this many optimizer steps; 0 = run every epoch")
     gradient_accumulation_steps: int = arg(2, "micro-batches per optimizer step")
     batch_size: int = arg(1, "prompts per sampling round = valid groups per micro-batch")
-    num_iterations: int = arg(1, "optimizer passes over each sampled step (>1: PPO-style reuse)")
+    steps_per_generation: int = arg(1, "optimizer steps per rollout: its groups split into this many steps (TRL)")
+    num_iterations: int = arg(1, "optimizer passes over each rollout (>1: PPO-style reuse)")
     weight_decay: float = arg(0.0, "> 0 switches Adam to AdamW with this decoupled decay (verl's DAPO script: 0.1)")
     warmup_steps: int = arg(0, "linear lr warm-up over this many optimizer steps (verl's DAPO script: 10)")
     max_grad_norm: float = arg(0.0, "clip the gradient norm to this; 0 = no clipping (verl's DAPO script: 1.0)")
@@ -174,14 +159,10 @@ class DapoArguments:
     temperature: float = arg(0.9, "sampling temperature (seed 0.9; verl's DAPO recipe 1.0)")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 = off")
     top_k: int = arg(50, "top-k sampling; 0 = off (seed 50; verl's DAPO recipe off)")
+    score_with_temperature: bool = arg(False, "log-probs under logits / temperature, the sampling policy (TRL, verl)")
     # --- rewards and dynamic sampling ---
     reward_weights: Optional[List[float]] = arg(None, "one weight per reward function; None = all 1.0")
-    filter_metric: str = arg(
-        "reward",
-        "skip a group when: 'reward' its total rewards are all equal (seed), "
-        "'correctness' all or none of it is correct (paper Eq. 11), 'none' never",
-        choices=FILTER_METRICS,
-    )
+    filter_metric: str = arg("reward", "skip a group: 'reward' all totals equal (seed), 'correctness' (Eq. 11), 'none'")
     max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit")
     overlong_buffer_len: int = arg(0, "L_cache of the soft overlong punishment (Eq. 13); 0 = off")
     overlong_penalty_factor: float = arg(1.0, "scale of that punishment (-factor at L_max)")
@@ -190,17 +171,14 @@ class DapoArguments:
     beta: float = arg(0.0, "KL coefficient; 0 = no reference model (saves memory)")
     clip_eps_low: float = arg(0.2, "ratio clipped below at 1 - clip_eps_low")
     clip_eps_high: float = arg(0.28, "ratio clipped above at 1 + clip_eps_high (clip-higher)")
-    loss_agg_mode: str = arg(
-        "seed",
-        "'seed' per-group token mean, 'token-mean' (paper Eq. 12), 'seq-mean-token-mean' (GRPO)",
-        choices=LOSS_AGG_MODES,
-    )
+    loss_agg_mode: str = arg("seed", "'seed' per-group token mean, 'token-mean' (Eq. 12), 'seq-mean-token-mean'")
     # --- evaluation, logging, checkpoints ---
     eval_steps: int = arg(10, "evaluate every this many optimizer steps (and before training)")
     eval_samples: int = arg(100, "random test problems per evaluation")
     eval_batch_size: int = arg(20, "prompts per generate call during evaluation")
     save_steps: int = arg(100, "write output_dir/checkpoint_N every this many optimizer steps")
-    report_to: str = arg("none", "also log metrics to: none, tensorboard, wandb, trackio", choices=tuple(TRACKERS))
+    save_total_limit: int = arg(0, "keep only the newest this many checkpoints; 0 = all (TRL's name)")
+    report_to: str = arg("none", "also log metrics to: none, tensorboard, wandb, trackio")
     # --- speed and memory ---
     bf16: bool = arg(True, "on CUDA, autocast forward passes to bf16 (weights stay float32)")
     tf32: bool = arg(True, "on CUDA, TF32 matmuls for what stays float32")
@@ -211,43 +189,41 @@ class DapoArguments:
 
     def validate(self):
         """Reject bad settings up front, naming the field and the fix."""
+        at_least_1 = ["gradient_accumulation_steps", "steps_per_generation", "num_iterations", "batch_size", "epoch"]
+        at_least_1 += ["max_prompt_length", "max_generate_length", "eval_steps", "eval_samples", "eval_batch_size"]
+        at_least_1 += ["save_steps"]
+        at_least_0 = ["max_steps", "beta", "weight_decay", "warmup_steps", "max_grad_norm", "top_k"]
+        at_least_0 += ["max_num_gen_batches", "save_total_limit", "overlong_penalty_factor"]
+        errors = [f"{name} must be >= 1" for name in at_least_1 if getattr(self, name) < 1]
+        errors += [f"{name} must be >= 0 (0 = off)" for name in at_least_0 if getattr(self, name) < 0]
+        values = dataclasses.asdict(self).items()
+        errors += [
+            f"{name} must be finite, not {v}" for name, v in values if isinstance(v, float) and not math.isfinite(v)
+        ]
         checks = [
             (self.num_generations >= 2, "num_generations must be >= 2 (a group needs two responses to compare)"),
-            (0 <= self.clip_eps_low < 1, "clip_eps_low must be in [0, 1)"),
-            (0 <= self.clip_eps_high < 1, "clip_eps_high must be in [0, 1)"),
-            (self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1"),
-            (self.num_iterations >= 1, "num_iterations must be >= 1"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.epoch >= 1, "epoch must be >= 1"),
-            (self.max_steps >= 0, "max_steps must be >= 0 (0 = no limit)"),
-            (self.lr > 0, "lr must be > 0"),
-            (self.beta >= 0, "beta must be >= 0"),
-            (self.weight_decay >= 0, "weight_decay must be >= 0"),
-            (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
-            (self.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 = no clipping)"),
-            (self.max_prompt_length >= 1, "max_prompt_length must be >= 1"),
-            (self.max_generate_length >= 1, "max_generate_length must be >= 1"),
+            (
+                0 <= self.clip_eps_low < 1 and 0 <= self.clip_eps_high < 1,
+                "clip_eps_low and clip_eps_high must be in [0, 1)",
+            ),
+            (self.lr >= 0, "lr must be >= 0 (0: sample and log without learning)"),
             (self.temperature > 0, "temperature must be > 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
-            (self.eval_steps >= 1, "eval_steps must be >= 1"),
-            (self.eval_samples >= 1, "eval_samples must be >= 1"),
-            (self.eval_batch_size >= 1, "eval_batch_size must be >= 1"),
-            (self.save_steps >= 1, "save_steps must be >= 1"),
-            (self.max_num_gen_batches >= 0, "max_num_gen_batches must be >= 0 (0 = no limit)"),
             (
                 0 <= self.overlong_buffer_len < self.max_generate_length,
-                "overlong_buffer_len must be in [0, max_generate_length) (0 = off)",
+                "overlong_buffer_len must be in [0, max_generate_length)",
             ),
             (self.loss_agg_mode in LOSS_AGG_MODES, f"loss_agg_mode must be one of {LOSS_AGG_MODES}"),
             (self.filter_metric in FILTER_METRICS, f"filter_metric must be one of {FILTER_METRICS}"),
-            (
-                self.reward_weights is None or all(isinstance(w, (int, float)) for w in self.reward_weights),
-                "reward_weights must be None or a list of numbers",
-            ),
             (self.report_to in TRACKERS, f"report_to must be one of {tuple(TRACKERS)}"),
+            (
+                not self.device.startswith("cuda") or torch.cuda.is_available(),
+                "device is cuda but no GPU is visible: --device=cpu",
+            ),
         ]
-        errors = [message for ok, message in checks if not ok]
+        errors += [message for ok, message in checks if not ok]
+        if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
+            errors.append("reward_weights must be None or a list of numbers")
         package = TRACKERS.get(self.report_to)
         if package and importlib.util.find_spec(package) is None:
             errors.append(f"report_to={self.report_to!r} needs the {package} package: pip install {package}")
@@ -256,14 +232,18 @@ class DapoArguments:
 
 
 def paper_preset(max_generate_length):
-    """The paper's recipe (arXiv 2503.14476, Sec. 3-4; verl's recipe/dapo), scaled to this setting."""
+    """The paper's recipe (arXiv 2503.14476, Sec. 4.1; verl's recipe/dapo), scaled to this setting."""
     return dict(
-        filter_metric="correctness",  # Eq. (11): keep groups with 0 < |correct| < G
-        loss_agg_mode="token-mean",  # Eq. (12): token-level policy-gradient loss over the whole step
-        overlong_buffer_len=max_generate_length // 5,  # Eq. (13): L_cache = 4096 of L_max = 20480
-        weight_decay=0.1,  # AdamW
-        warmup_steps=10,
-        max_grad_norm=1.0,
+        filter_metric="correctness",  # paper Eq. (11): keep groups with 0 < |correct| < G
+        loss_agg_mode="token-mean",  # paper Eq. (12): token-level policy-gradient loss over the whole step
+        overlong_buffer_len=max_generate_length // 5,  # paper Eq. (13): L_cache = 4096 of L_max = 20480
+        steps_per_generation=4,  # paper: 16 mini-batch updates per rollout (512 x 16 responses, 512 each)
+        temperature=1.0,  # verl's recipe samples the policy itself: temperature 1, no top-k, top-p 1
+        top_k=0,
+        score_with_temperature=True,  # TRL and verl score under the sampling distribution
+        weight_decay=0.1,  # AdamW, verl's DAPO script (the paper: AdamW, constant lr 1e-6)
+        warmup_steps=10,  # verl's DAPO script (the paper: linear warm-up over 20 rollout steps)
+        max_grad_norm=1.0,  # verl's DAPO script
     )
 
 
@@ -273,11 +253,13 @@ def paper_preset(max_generate_length):
 def group_advantages(rewards):
     """GRPO/DAPO advantage, Eq. (9): A_i = (R_i - mean(R)) / (std(R) + 1e-8) within each group.
 
-    rewards: [B, G] -> advantages [B, G]; std is the unbiased one, as torch.std and the seed.
+    rewards: [B, G] -> advantages [B, G]; std is the unbiased one, as torch.std and the seed. A group whose
+    rewards are all equal gets exactly 0: in float32 their mean can differ from them (G = 8 times 0.3).
     """
     mean = rewards.mean(dim=1, keepdim=True)
     std = rewards.std(dim=1, keepdim=True)
-    return (rewards - mean) / (std + 1e-8)
+    equal = rewards.amax(dim=1, keepdim=True) == rewards.amin(dim=1, keepdim=True)  # [B, 1]
+    return ((rewards - mean) / (std + 1e-8)).masked_fill(equal, 0.0)
 
 
 def keep_groups(advantages, correct, filter_metric):
@@ -340,9 +322,12 @@ def dapo_per_token_loss(log_probs, old_log_probs, advantages, clip_eps_low, clip
     return -torch.min(ratio * advantages, clipped * advantages), ratio
 
 
-def k3_kl(log_probs, ref_log_probs):
-    """Schulman's k3 estimator of KL(pi || pi_ref), per token: exp(ref - logp) - 1 - (ref - logp)."""
-    log_ratio = ref_log_probs - log_probs
+def k3_kl(log_probs, ref_log_probs, mask):
+    """Schulman's k3 estimator of KL(pi || pi_ref), per token: exp(ref - logp) - 1 - (ref - logp).
+
+    The log-ratio is masked before exp, as in the seed: padding would give exp(large) * 0 = NaN.
+    """
+    log_ratio = (ref_log_probs - log_probs) * mask
     return log_ratio.exp() - 1 - log_ratio
 
 
@@ -534,9 +519,6 @@ class LoopState:
         vars(self).update(state)
 
 
-TRAINER_STATE = "trainer_state.pt"  # in each checkpoint: optimizer, scheduler, loop state, RNG
-ARGS_FILE = "dapo_args.json"  # in each checkpoint: the DapoArguments used
-LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl")  # in output_dir
 NUM_LOGGED_EXAMPLES = 4  # evaluation problems written to samples.jsonl at each evaluation
 
 
@@ -566,8 +548,9 @@ class DapoTrainer:
         if args.device.startswith("cuda"):  # process-wide switches: set both ways
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
         self.ref_model = None  # beta == 0: no reference model, half the memory
-        if args.beta != 0.0:
-            self.ref_model = deepcopy(self.model).eval().requires_grad_(False)
+        if args.beta != 0.0:  # frozen and only run under autocast: bf16 weights are enough there
+            ref_dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
+            self.ref_model = deepcopy(self.model).to(ref_dtype).eval().requires_grad_(False)
 
         if isinstance(tokenizer, str):
             tokenizer = load_tokenizer(tokenizer)
@@ -826,17 +809,19 @@ class DapoTrainer:
 
     @torch.no_grad()
     def make_micro_batches(self, groups):
-        """The rollout: groups (dict of lists) as micro-batches of batch_size groups, each padded to its
-        own longest prompt and response, with the reference model's log-probs when beta > 0."""
-        B = self.args.batch_size
+        """The rollout: groups (dict of lists) as micro-batches of batch_size groups, each padded to its own
+        longest prompt and response. pi_old's and pi_ref's log-probs are taken here, once, on exactly the
+        tensors the training passes will see."""
+        args, B = self.args, self.args.batch_size
+        reused = args.num_iterations > 1 or args.steps_per_generation > 1  # else pi_old = pi_theta, ratio 1
         micro_batches = []
         for first in range(0, len(groups["advantages"]), B):
             inputs = pad_and_cat_groups(
                 {key: groups[key][first : first + B] for key in GROUP_KEYS}, self.tokenizer.pad_token_id
             )
-            inputs["old_action_log_probs"] = None  # pi_old = pi_theta: the ratio is 1 (one pass, one step)
-            if self.args.num_iterations > 1:
-                inputs["old_action_log_probs"] = self.get_action_log_probs(self.model, *self.model_inputs(inputs))
+            inputs["old_action_log_probs"] = (
+                self.get_action_log_probs(self.model, *self.model_inputs(inputs)) if reused else None
+            )
             inputs["ref_action_log_probs"] = None
             if self.ref_model is not None:
                 inputs["ref_action_log_probs"] = self.get_action_log_probs(self.ref_model, *self.model_inputs(inputs))
@@ -864,7 +849,7 @@ class DapoTrainer:
             log_probs, old_log_probs, advantages, args.clip_eps_low, args.clip_eps_high
         )
         if args.beta != 0.0:
-            kl = k3_kl(log_probs, inputs["ref_action_log_probs"])  # [N, T]
+            kl = k3_kl(log_probs, inputs["ref_action_log_probs"], action_mask)  # [N, T]
             per_token_loss = per_token_loss + args.beta * kl
         loss = aggregate_loss(per_token_loss, action_mask, args.loss_agg_mode, args.num_generations, normaliser)
         if not return_metrics:
@@ -895,9 +880,16 @@ class DapoTrainer:
         width = input_ids.size(1)
         keep = torch.arange(width - num_actions - 1, width - 1, device=input_ids.device)
         with self.autocast():
-            logits = model(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep
-            ).logits  # [N, T, V]
+            outputs = model(
+                input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=keep,
+                use_cache=False,
+            )
+        logits = outputs.logits  # [N, T, V]
+        if self.args.score_with_temperature:  # the distribution that sampled (TRL, verl)
+            logits = logits / self.args.temperature
         log_probs, entropy = selective_log_softmax(logits, input_ids[:, -num_actions:])  # [N, T] each
         return (log_probs, entropy) if with_entropy else log_probs
 
@@ -914,12 +906,12 @@ class DapoTrainer:
     def train(self):
         """Sample -> reward -> filter -> buffer, then optimizer steps over the rollout; log, eval, save."""
         args, state = self.args, self.state
-        G, B, accumulation = args.num_generations, args.batch_size, args.gradient_accumulation_steps
-        groups_per_rollout = B * accumulation
+        G, accumulation = args.num_generations, args.gradient_accumulation_steps
+        groups_per_rollout = args.batch_size * accumulation * args.steps_per_generation
         self.global_steps = args.num_iterations * args.epoch * len(self.train_dataset) // groups_per_rollout
         if args.max_steps:
             self.global_steps = min(self.global_steps, args.max_steps)
-        self.tracker = Tracker(args.report_to, args.output_dir, dataclasses.asdict(args))
+        self.tracker = make_tracker(args.report_to, args.output_dir, dataclasses.asdict(args))
         if not self.resumed:  # a resumed run evaluated before its checkpoint
             self.evaluate_and_log()
         metrics = defaultdict(list)  # what this optimizer step gathered
@@ -954,8 +946,9 @@ class DapoTrainer:
                     metrics["num_gen_batches"].append(state.rounds)
                     state.rounds = 0
 
-                # 2. One optimizer step: gradient accumulation over the rollout's micro-batches.
-                micro_batches = state.rollout
+                # 2. One optimizer step: gradient accumulation over its slice of the rollout's micro-batches.
+                first = state.updates_done % args.steps_per_generation * accumulation
+                micro_batches = state.rollout[first : first + accumulation]
                 normaliser = sum(loss_normaliser(m["action_mask"], args.loss_agg_mode, G) for m in micro_batches)
                 self.model.train()
                 losses = []
@@ -971,7 +964,7 @@ class DapoTrainer:
                 self.optimizer.zero_grad()
                 state.update_steps += 1
                 state.updates_done += 1
-                if state.updates_done == args.num_iterations:
+                if state.updates_done == args.num_iterations * args.steps_per_generation:
                     state.rollout = None
 
                 # 3. Step end: log, evaluate, save, stop.
@@ -982,9 +975,9 @@ class DapoTrainer:
                 if state.update_steps % args.eval_steps == 0:
                     self.evaluate_and_log()
                 if state.update_steps % args.save_steps == 0 or self.stop_requested:
-                    self.save_checkpoint()
+                    path = save_checkpoint(self)
                 if self.stop_requested:
-                    tqdm.write(f"stopped; continue with: python train.py --resume={self.checkpoint_path()}")
+                    tqdm.write(f"stopped; continue with: python train.py --resume={path}")
                     raise KeyboardInterrupt
                 if state.update_steps == args.max_steps:
                     break
@@ -1046,12 +1039,12 @@ class DapoTrainer:
             if key.startswith("time/") or key in ("loss", "num_tokens"):  # totals over the step
                 record[key] = sum(values)
             elif key == "completions/length":
-                record.update({"completions/mean_length": mean(values), "completions/min_length": min(values)})
+                record.update({"completions/mean_length": fmean(values), "completions/min_length": min(values)})
                 record.update({"completions/max_length": max(values), "sampled_tokens": sum(values)})
             elif key.startswith("rewards/"):  # per reward function, as TRL names them
-                record[f"{key}/mean"], record[f"{key}/std"] = mean(values), std(values)
+                record[f"{key}/mean"], record[f"{key}/std"] = fmean(values), stdev(values) if len(values) > 1 else 0.0
             else:
-                record[key] = mean(values)
+                record[key] = fmean(values)
         record["skipped_groups"] = self.state.skipped_groups
         if record.get("time/sampling"):
             record["sampled_tokens_per_second"] = record["sampled_tokens"] / record["time/sampling"]
@@ -1135,125 +1128,9 @@ class DapoTrainer:
         ]
 
     # ---- 4.9 checkpoints and resuming ----
-    def checkpoint_path(self, step=None):
-        return os.path.join(self.args.output_dir, f"checkpoint_{self.state.update_steps if step is None else step}")
-
-    def save_checkpoint(self):
-        """output_dir/checkpoint_N: model, tokenizer, optimizer, scheduler, loop position, RNG, arguments.
-
-        Written at a step end to checkpoint_N.tmp and renamed into place, so a crash never leaves a
-        complete-looking half checkpoint.
-        """
-        final = self.checkpoint_path()
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        cuda_rng = torch.cuda.get_rng_state_all() if self.args.device.startswith("cuda") else []
-        trainer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-        trainer_state.update(loop=self.state.state_dict(), rng=torch.get_rng_state(), cuda_rng=cuda_rng)
-        torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
-        with open(os.path.join(tmp, ARGS_FILE), "w", encoding="utf-8") as f:
-            json.dump(dataclasses.asdict(self.args), f, indent=2)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        return final
-
-    def resume(self, checkpoint):
-        """Continue from a checkpoint: weights, optimizer, scheduler, loop position and RNG; the logs
-        in output_dir are cut back to its step so that no line is written twice."""
-        saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location=self.args.device, weights_only=True)
-        self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict())
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
-        self.state.load_state_dict(saved["loop"])
-        torch.set_rng_state(saved["rng"].cpu())
-        if saved["cuda_rng"]:
-            torch.cuda.set_rng_state_all([s.cpu() for s in saved["cuda_rng"]])
-        self.resumed = True
-        step, out = self.state.update_steps, self.args.output_dir
-        # training_losses lines carry the steps finished *before* their micro-step; the others, their step.
-        cut_log(os.path.join(out, LOG_FILES[0]), lambda line: int(line.split(",")[0]) < step)
-        cut_log(os.path.join(out, LOG_FILES[1]), lambda line: int(line.split(",")[0]) <= step)
-        for name in LOG_FILES[2:]:
-            cut_log(os.path.join(out, name), lambda line: json.loads(line)["step"] <= step)
-        from curves import read_jsonl
-
-        self.history = read_jsonl(os.path.join(out, "metrics.jsonl"))
-
     def save_model(self):
         self.model.save_pretrained(self.args.output_dir)
         self.tokenizer.save_pretrained(self.args.output_dir)
-
-
-class Tracker:
-    """report_to's experiment tracker; its package is imported only when named."""
-
-    def __init__(self, report_to, output_dir, config):
-        self.kind, self.backend = report_to, None
-        if report_to == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.backend = SummaryWriter(os.path.join(output_dir, "runs"))
-        elif report_to in ("wandb", "trackio"):
-            self.backend = importlib.import_module(report_to)
-            self.backend.init(project="dapo", config=config)
-
-    def log(self, record):
-        values = {key: value for key, value in record.items() if key != "step" and isinstance(value, (int, float))}
-        if self.kind == "tensorboard":
-            for key, value in values.items():
-                self.backend.add_scalar(key, value, record["step"])
-        elif self.backend is not None:
-            self.backend.log(values, step=record["step"])
-
-    def close(self):
-        if self.kind == "tensorboard":
-            self.backend.close()
-        elif self.backend is not None:
-            self.backend.finish()
-
-
-def mean(values):
-    return sum(values) / len(values)
-
-
-def std(values):
-    """Unbiased standard deviation (0 for fewer than two values)."""
-    if len(values) < 2:
-        return 0.0
-    m = mean(values)
-    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
-
-
-def cut_log(path, keep):
-    """Rewrite a log keeping the lines for which keep(line) holds (atomically: tmp file + rename)."""
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip() and keep(line)]
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(lines)
-    os.replace(path + ".tmp", path)
-
-
-def find_checkpoint(resume, output_dir):
-    """--resume=output/checkpoint_N, or --resume=latest: the highest-numbered one in output_dir."""
-    if resume != "latest":
-        if not os.path.isfile(os.path.join(resume, TRAINER_STATE)):
-            raise FileNotFoundError(f"{resume!r} is not a checkpoint folder (no {TRAINER_STATE} in it)")
-        return resume
-    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    steps = [
-        int(name.split("_")[1])
-        for name in names
-        if name.startswith("checkpoint_")
-        and name.split("_")[1].isdigit()
-        and os.path.isfile(os.path.join(output_dir, name, TRAINER_STATE))
-    ]
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint to resume in {output_dir!r}")
-    return os.path.join(output_dir, f"checkpoint_{max(steps)}")
 
 
 # ============================================================
@@ -1353,7 +1230,7 @@ def main(argv=None):
         sys.exit(missing_inputs_message(args))
     trainer = build_trainer(args)
     if checkpoint:
-        trainer.resume(checkpoint)
+        resume(trainer, checkpoint)
     try:
         trainer.train()
     except KeyboardInterrupt:  # train() saved a checkpoint and said how to resume

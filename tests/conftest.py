@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward  # noqa: E402
 from tiny_world import build_tiny_world  # noqa: E402
-from train import DapoArguments, DapoTrainer, GSM8KDataset  # noqa: E402
+from train import GROUP_KEYS, SYSTEM_PROMPT, DapoArguments, DapoTrainer, GSM8KDataset, pad_and_cat_groups  # noqa: E402
 
 SEED_REWARDS = [correctness_reward, digit_reward, hard_format_reward, mark_reward]
 # Small but real: every test that trains uses these unless it says otherwise.
@@ -21,7 +21,7 @@ FAST = dict(device="cpu", max_generate_length=12, eval_samples=4, eval_batch_siz
 @pytest.fixture(scope="session")
 def world(tmp_path_factory):
     """(model_dir, data_dir) of a tiny world written once per session."""
-    return build_tiny_world(str(tmp_path_factory.mktemp("world")), num_train=32, num_test=8, seed=0)
+    return build_tiny_world(str(tmp_path_factory.mktemp("world")), SYSTEM_PROMPT, num_train=32, num_test=8, seed=0)
 
 
 @pytest.fixture
@@ -75,3 +75,12 @@ def stub_log_probs(trainer, log_probs):
         return (log_probs, torch.zeros_like(log_probs)) if with_entropy else log_probs
 
     trainer.get_action_log_probs = fake
+
+
+def as_micro_batch(trainer, *experiences, old=None, ref=None):
+    """One micro-batch holding every kept group of the given generate_experiences results, padded and
+    concatenated as make_micro_batches does, with the given old / reference log-probs (None by default)."""
+    groups = {key: [x for e in experiences for x in e[key]] for key in GROUP_KEYS}
+    inputs = pad_and_cat_groups(groups, trainer.tokenizer.pad_token_id)
+    inputs["old_action_log_probs"], inputs["ref_action_log_probs"] = old, ref
+    return inputs

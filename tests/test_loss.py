@@ -37,12 +37,14 @@ def test_clip_low_high_and_unclipped_with_old_log_probs(make_trainer):
     trainer = make_trainer(num_generations=2, num_iterations=2)
     log_probs = RATIOS.log().requires_grad_()
     stub_log_probs(trainer, log_probs)
-    loss = trainer.compute_loss(trainer.model, inputs_for(log_probs))
+    loss, metrics = trainer.compute_loss(trainer.model, inputs_for(log_probs), return_metrics=True)
     assert loss.item() == pytest.approx(HAND_LOSS, abs=1e-6)
     loss.backward()
     assert torch.allclose(log_probs.grad, HAND_GRAD, atol=1e-6)
-    assert trainer.metrics["clip_ratio/low_mean"] == [pytest.approx(0.2)]  # 1 of 5 tokens
-    assert trainer.metrics["clip_ratio/high_mean"] == [pytest.approx(0.2)]
+    assert metrics["clip_ratio/low_mean"] == pytest.approx(0.2)  # 1 of 5 tokens
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(0.2)
+    # without return_metrics: the same loss alone
+    assert trainer.compute_loss(trainer.model, inputs_for(log_probs)).item() == pytest.approx(HAND_LOSS, abs=1e-6)
 
 
 def test_single_iteration_uses_current_log_probs_as_old(make_trainer):
@@ -68,9 +70,9 @@ def test_beta_adds_k3_on_masked_tokens(make_trainer):
     ref = torch.zeros(2, 3)
     # k3 with ref = 0: exp(-logp) - 1 + logp = 1/r - 1 + log r, on the 5 unmasked tokens
     k3 = [1 / r - 1 + math.log(r) for r in (1.5, 1.1, 0.5, 0.5, 1.5)]
-    loss = trainer.compute_loss(trainer.model, inputs_for(log_probs, ref=ref))
+    loss, metrics = trainer.compute_loss(trainer.model, inputs_for(log_probs, ref=ref), return_metrics=True)
     assert loss.item() == pytest.approx((sum(HAND_TOKEN_LOSSES) + beta * sum(k3)) / 5, abs=1e-6)
-    assert trainer.metrics["kl"] == [pytest.approx(sum(k3) / 5, abs=1e-6)]
+    assert metrics["kl"] == pytest.approx(sum(k3) / 5, abs=1e-6)
 
 
 def test_beta_zero_creates_no_reference_model(make_trainer):
@@ -95,7 +97,9 @@ def test_pure_helpers():
     per_token, ratio = dapo_per_token_loss(RATIOS.log(), torch.zeros(2, 3), ADVANTAGES, 0.2, 0.28)
     assert torch.allclose(ratio, RATIOS)
     assert torch.allclose(per_token[MASK.bool()], torch.tensor(HAND_TOKEN_LOSSES), atol=1e-6)
-    assert k3_kl(torch.zeros(3), torch.zeros(3)).abs().max() == 0  # no divergence from itself
+    assert k3_kl(torch.zeros(3), torch.zeros(3), torch.ones(3)).abs().max() == 0  # no divergence from itself
+    # masked positions (padding, whose log-probs can be anything) give 0, not exp(large) = inf / NaN
+    assert k3_kl(torch.tensor([-1000.0, 0.0]), torch.zeros(2), torch.tensor([0, 1])).tolist() == [0.0, 0.0]
     adv = group_advantages(torch.tensor([[3.5, 0.5, 0.5, 0.5], [1.0, 1.0, 1.0, 1.0]]))
     # mean 1.25, unbiased std 1.5: (3.5 - 1.25) / 1.5 = 1.5 and (0.5 - 1.25) / 1.5 = -0.5
     assert torch.allclose(adv[0], torch.tensor([1.5, -0.5, -0.5, -0.5]), atol=1e-6)

@@ -13,8 +13,8 @@ from reward_func import (
     mark_num,
     mark_reward,
     normalize_answer,
-    soft_overlong_punishment,
 )
+from train import soft_overlong_punishment
 
 PERFECT = "<think>\n3+5=8\n</think>\n<answer>\n8\n</answer>\n"
 
@@ -89,8 +89,9 @@ def test_all_rewards_of_a_perfect_answer_sum_to_3_5():
 
 def test_soft_overlong_punishment_eq13():
     # L_max = 100, L_cache = 20: free up to 80 tokens, linear to -1 at 100, -1 beyond.
-    lengths = [10, 80, 81, 90, 100, 120]
-    values = soft_overlong_punishment(None, [""] * 6, [0] * 6, response_lengths=lengths, max_length=100, cache_length=20)
-    assert values == [0.0, 0.0, -0.05, -0.5, -1.0, -1.0]
-    scaled = soft_overlong_punishment(None, [""], [0], response_lengths=[90], max_length=100, cache_length=20, penalty_factor=0.5)
-    assert math.isclose(scaled[0], -0.25)
+    lengths = torch.tensor([10, 80, 81, 90, 100, 120])
+    values = soft_overlong_punishment(lengths, max_length=100, cache_length=20)
+    assert values.dtype == torch.float32 and values.shape == (6,)
+    assert values.tolist() == pytest.approx([0.0, 0.0, -0.05, -0.5, -1.0, -1.0], abs=1e-7)
+    scaled = soft_overlong_punishment(torch.tensor([90]), max_length=100, cache_length=20, penalty_factor=0.5)
+    assert math.isclose(scaled.item(), -0.25)

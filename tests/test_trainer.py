@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
-from conftest import make_batch, scripted_sampler, token_ids
-from train import DapoArguments, GSM8KDataset, Samples, selective_log_softmax
+from conftest import as_micro_batch, make_batch, scripted_sampler, token_ids
+from train import GROUP_KEYS, DapoArguments, GSM8KDataset, Samples, selective_log_softmax
 
 
 def varied(prompts, responses, answers):
@@ -62,9 +62,8 @@ def test_attention_mask_when_pad_is_eos(make_trainer):
     assert s.action_mask.tolist() == [[1, 0], [1, 1]]
 
 
-@pytest.mark.parametrize("fast_sampling", [True, False])
-def test_sampling_ignores_the_models_generation_config(make_trainer, monkeypatch, fast_sampling):
-    trainer = make_trainer(num_generations=8, max_generate_length=6, fast_sampling=fast_sampling)
+def test_sampling_ignores_the_models_generation_config(make_trainer, monkeypatch):
+    trainer = make_trainer(num_generations=8, max_generate_length=6)
     greedy = GenerationConfig(do_sample=False, repetition_penalty=1.5, no_repeat_ngram_size=2, top_k=1, eos_token_id=[0])
     trainer.model.generation_config = greedy
     seen = []
@@ -76,11 +75,12 @@ def test_sampling_ignores_the_models_generation_config(make_trainer, monkeypatch
 
     monkeypatch.setattr(trainer.model, "_get_logits_processor", spy)
     samples = trainer.generate_samples(make_batch(trainer))[0]
-    # Exactly the trainer's temperature 0.9 and top-k 50: no repetition penalty, no n-gram ban.
+    # Exactly the trainer's temperature 0.9 and top-k 50, then SampleKeptTokens (which draws under
+    # greedy generate): no repetition penalty, no n-gram ban.
     temperature, top_k, *rest = seen[0]
     assert (type(temperature).__name__, temperature.temperature) == ("TemperatureLogitsWarper", 0.9)
     assert (type(top_k).__name__, top_k.top_k) == ("TopKLogitsWarper", 50)
-    assert [type(p).__name__ for p in rest] == (["SampleKeptTokens"] if fast_sampling else [])
+    assert [type(p).__name__ for p in rest] == ["SampleKeptTokens"]
     assert len({tuple(r) for r in samples.response_ids.tolist()}) > 1  # not greedy: the group differs
     assert trainer.model.generation_config is greedy  # the user's config is put back
 
@@ -92,7 +92,7 @@ def test_long_prompt_keeps_its_end_and_warns(make_trainer):
     assert input_ids.shape == (1, 10) and mask.sum() == 10
     tail = token_ids(trainer.tokenizer, "<|im_start|>assistant\n")
     assert input_ids[0, -len(tail) :].tolist() == tail  # the generation prompt survives
-    assert trainer.truncated_prompts == 1
+    assert trainer.state.truncated_prompts == 1
 
 
 # ---------- rewards, advantages, dynamic sampling ----------
@@ -111,7 +111,11 @@ def test_reward_weights_none_rewards_and_advantages(make_trainer):
     assert len(exp["advantages"]) == 1
     assert torch.allclose(exp["advantages"][0], expected, atol=1e-6)
     assert not torch.isnan(exp["advantages"][0]).any()
-    assert trainer.metrics["rewards/f1"] == [1.0, 0.0] or math.isnan(trainer.metrics["rewards/f1"][1])
+    # the per-function log keeps None as NaN (a nan-aware mean skips it); the total counts it as 0
+    f1, f2 = exp["metrics"]["rewards/f1"], exp["metrics"]["rewards/f2"]
+    assert f1[0] == 1.0 and f1[2] == 0.0 and math.isnan(f1[1]) and math.isnan(f1[3])
+    assert math.isnan(f2[0]) and f2[1] == 2.0 and math.isnan(f2[2]) and math.isnan(f2[3])
+    assert exp["metrics"]["reward"] == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_equal_rewards_skip_the_group_and_count_it(make_trainer):
@@ -123,22 +127,39 @@ def test_equal_rewards_skip_the_group_and_count_it(make_trainer):
 
     trainer = make_trainer(reward_funcs=[alternating])
     first = trainer.generate_experiences(make_batch(trainer))
-    assert first["advantages"] == [] and first["prompt_response_ids"] == [] and trainer.skipped_groups == 1
+    assert first["advantages"] == [] and first["prompt_response_ids"] == [] and trainer.state.skipped_groups == 1
+    assert first["metrics"]["frac_groups_skipped"] == [1.0]
     second = trainer.generate_experiences(make_batch(trainer))
-    assert len(second["advantages"]) == 1 and trainer.skipped_groups == 1
-    assert first["old_action_log_probs"] is None and first["ref_action_log_probs"] is None
+    assert len(second["advantages"]) == 1 and trainer.state.skipped_groups == 1
+    assert second["metrics"]["frac_groups_skipped"] == [0.0]
+    # num_iterations 1, beta 0: a micro-batch carries no old or reference log-probs
+    (micro_batch,) = trainer.make_micro_batches({key: second[key] for key in GROUP_KEYS})
+    assert micro_batch["old_action_log_probs"] is None and micro_batch["ref_action_log_probs"] is None
 
 
 def test_old_log_probs_only_when_batches_are_reused(make_trainer):
-    for num_iterations, expected_calls in ((1, 0), (2, 2)):
-        trainer = make_trainer(reward_funcs=[varied], num_iterations=num_iterations)
+    # (num_iterations, beta) -> forward passes make_micro_batches makes for 2 micro-batches of 1 group
+    for num_iterations, beta, expected_calls in ((1, 0.0, 0), (2, 0.0, 2), (1, 0.1, 2), (2, 0.1, 4)):
+        trainer = make_trainer(reward_funcs=[varied], num_iterations=num_iterations, beta=beta)
         calls = []
         original = trainer.get_action_log_probs
-        trainer.get_action_log_probs = lambda *a, **k: calls.append(1) or original(*a, **k)
+        trainer.get_action_log_probs = lambda model, *a, **k: calls.append(model) or original(model, *a, **k)
         exp = trainer.generate_experiences(make_batch(trainer, n=2))
-        assert len(calls) == expected_calls
-        if num_iterations == 2:
-            assert exp["old_action_log_probs"][0].shape == exp["action_mask"][0].shape
+        assert calls == [] and set(exp) == {*GROUP_KEYS, "metrics"}  # sampling computes no log-probs
+        micro_batches = trainer.make_micro_batches({key: exp[key] for key in GROUP_KEYS})
+        assert len(micro_batches) == 2 and len(calls) == expected_calls
+        assert sum(model is trainer.ref_model for model in calls) == (2 if beta else 0)
+        for inputs in micro_batches:
+            for key, wanted in (("old_action_log_probs", num_iterations > 1), ("ref_action_log_probs", beta > 0)):
+                if not wanted:
+                    assert inputs[key] is None, key
+                    continue
+                # computed on the assembled micro-batch, with the model it names
+                model = trainer.model if key.startswith("old") else trainer.ref_model
+                ids, mask = inputs["prompt_response_ids"], inputs["attention_mask"]
+                with torch.no_grad():
+                    direct = original(model, ids, mask, inputs["action_mask"].size(1))
+                assert inputs[key].shape == inputs["action_mask"].shape and torch.equal(inputs[key], direct), key
 
 
 def test_reward_model_given_as_a_path(make_trainer, world, tmp_path):
@@ -149,7 +170,7 @@ def test_reward_model_given_as_a_path(make_trainer, world, tmp_path):
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "rm")
     trainer = make_trainer(reward_funcs=[str(tmp_path / "rm")])
     responses = ["<answer>\n3\n</answer>\n", "3", "", "12"]
-    scores = trainer.score_rewards(["小明有3个苹果"] * 4, responses, [3] * 4, [1] * 4)
+    scores = trainer.score_rewards(["小明有3个苹果"] * 4, responses, [3] * 4)
     tok = trainer.reward_tokenizers[0]
     enc = tok(["小明有3个苹果" + r for r in responses], return_tensors="pt", padding=True)
     with torch.no_grad():
@@ -211,7 +232,7 @@ def test_optimizer_steps_follow_valid_groups(make_trainer):
     steps = count_optimizer_steps(trainer)
     trainer.train()
     # 32 prompts -> 16 valid groups -> 16 micro-batches -> 8 optimizer steps of 2 micro-steps
-    assert trainer.skipped_groups == 16
+    assert trainer.state.skipped_groups == 16
     assert len(steps) == 8 and trainer.update_steps == 8
     lines = open(os.path.join(trainer.args.output_dir, "training_losses.txt")).read().split()
     assert [int(line.split(",")[0]) for line in lines] == [s for s in range(8) for _ in range(2)]
@@ -222,7 +243,7 @@ def test_batch_size_and_iterations(make_trainer):
     steps = count_optimizer_steps(trainer)
     seen = []
     original = trainer.compute_loss
-    trainer.compute_loss = lambda model, inputs: seen.append(inputs["prompt_response_ids"].size(0)) or original(model, inputs)
+    trainer.compute_loss = lambda model, inputs, *a, **k: seen.append(inputs["prompt_response_ids"].size(0)) or original(model, inputs, *a, **k)
     trainer.train()
     # 32 prompts / 2 per micro-batch = 16 micro-batches = 8 sampled steps, each trained twice
     assert trainer.update_steps == 16 and len(steps) == 16
@@ -247,11 +268,11 @@ def test_bf16_checkpoint_trains_in_float32(world, make_trainer, tmp_path):
     trainer = make_trainer(reward_funcs=[varied], model=str(tmp_path / "bf16"), lr=1e-6)
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     before = trainer.model.model.embed_tokens.weight.detach().clone()
-    for step in range(2):
-        inputs = trainer.generate_experiences(make_batch(trainer, offset=step))
-        from train import pad_and_cat_groups
-
-        trainer.train_step(trainer.model, pad_and_cat_groups(inputs, trainer.tokenizer.pad_token_id), trainer.optimizer, step)
+    for step in range(2):  # one optimizer step of gradient_accumulation_steps = 2 micro-batches
+        inputs = as_micro_batch(trainer, trainer.generate_experiences(make_batch(trainer, offset=step)))
+        trainer.train_step(trainer.model, inputs, normaliser=2)
+    assert torch.equal(trainer.model.model.embed_tokens.weight, before)  # train_step does not step
+    trainer.optimizer.step()
     changed = (trainer.model.model.embed_tokens.weight - before).abs().max().item()
     assert 0 < changed < 1e-5  # moved, by about lr
 
