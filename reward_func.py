@@ -5,28 +5,60 @@ response; `None` means "no opinion" and is ignored by the trainer). They form a 
 from soft to hard, so that a model gets a learning signal before it can solve anything:
 
     reward               max    kind           purpose
-    correctness_reward   2.0    sparse, hard   the last number in <answer> equals the answer
+    correctness_reward   2.0    sparse, hard   the last number in <answer> equals the answer (as numbers)
     digit_reward         0.5    dense          the extracted answer is a plain integer
     hard_format_reward   0.5    sparse, hard   the whole response is <think>..</think><answer>..</answer>
     mark_reward          0.5    dense, soft    0.125 for each tag+newline that occurs exactly once
-    soft_overlong_punishment  <= 0   length    DAPO Eq. (13); needs response lengths, off by default
 """
 
 import re
+from fractions import Fraction
 
 ANSWER_REGEX = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-NUMBER_REGEX = re.compile(r"\d+\.\d+|\d+/\d+|\d+")  # decimal | fraction | integer, in that priority
+# The seed's number regex was r"\d+\.\d+|\d+/\d+|\d+" (decimal | fraction | integer). It also
+# reads a sign and thousands separators, so that "-3" is not "3" and "1,234" is not "234":
+#   - a minus sign (ASCII "-", U+2212 "−", full-width "－") when it is not right after a digit,
+#     a Latin letter or a closing bracket ("5-3" is a subtraction, "x-3" an expression: "3");
+#   - ASCII commas between groups of exactly three digits, the first group of one to three
+#     digits, optionally a decimal part: "1,234", "12,345.5". The group must be the whole run:
+#     it does not start right after "digit," or "digit/" and is not followed by a digit,
+#     ",digit", ".digit" or "/digit" ("3,4,567", "1,2345" and "1,234/5" read as the seed reads
+#     them). The full-width comma "，" is not a separator: in Chinese text it separates clauses
+#     and list items ("3，4" is two numbers), and models write thousands with an ASCII comma.
+NUMBER_REGEX = re.compile(
+    r"(?:(?<![0-9A-Za-z)\]])[-\u2212\uff0d])?"  # optional sign
+    r"(?:(?<!\d[,/])\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d|[,./]\d)"  # 1,234 or 1,234.5
+    r"|\d+\.\d+|\d+/\d+|\d+)"  # the seed's decimal | fraction | integer, in that priority
+)
+INTEGER_REGEX = re.compile(r"[-\u2212\uff0d]?(?:\d{1,3}(?:,\d{3})+|\d+)")  # what digit_reward accepts
 STRICT_FORMAT_REGEX = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>\n$", re.DOTALL)
 FORMAT_MARKS = ("<think>\n", "</think>\n", "<answer>\n", "</answer>\n")
 
 
 def extract_answer(text):
-    """The last number inside the first <answer>...</answer> block, as a string; "" if none."""
+    """The last number inside the first <answer>...</answer> block, as written ("1,234", "-3",
+    "5.0", "3/4"); "" if none. `parse_number` gives its value."""
     match = ANSWER_REGEX.search(text)
     if not match:
         return ""
     nums = NUMBER_REGEX.findall(match.group(1))
     return nums[-1].strip() if nums else ""
+
+
+def parse_number(text):
+    """The exact value of a number string as a Fraction, or None if it is not a number.
+
+    Reads what `extract_answer` returns (sign, thousands separators, decimals, fractions a/b)
+    and the reference answers' strings ("72", "72.0", "1e3"). Exact: "0.1" is 1/10, "5.0" is
+    5, "3/4" is 0.75; a fraction with a zero denominator is None.
+    """
+    text = str(text).strip().replace("\u2212", "-").replace("\uff0d", "-")
+    if INTEGER_REGEX.fullmatch(text) or NUMBER_REGEX.fullmatch(text):
+        text = text.replace(",", "")
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 def normalize_answer(answer):
@@ -50,22 +82,42 @@ def normalize_answer(answer):
     return str(answer)
 
 
+def is_correct(response, answer):
+    """Whether the response's extracted answer equals the reference answer, as numbers.
+
+    Both sides go through `parse_number`, so "5.0", "5" and 5 agree, "1,234" equals 1234, and
+    "0.75" equals "3/4" (exact rationals, no float tolerance). When either side is not a number,
+    the strings are compared, as the seed compared them. An empty extraction is never correct.
+    `correctness_reward` and the trainer's `evaluate` both use this.
+    """
+    extracted = extract_answer(response)
+    if not extracted:
+        return False
+    reference = normalize_answer(answer)
+    value, reference_value = parse_number(extracted), parse_number(reference)
+    if value is None or reference_value is None:
+        return extracted == reference
+    return value == reference_value
+
+
 def mark_num(text):
     """0.125 for each of the four tag+newline strings that occurs exactly once (max 0.5)."""
     return sum(0.125 for mark in FORMAT_MARKS if text.count(mark) == 1)
 
 
 def correctness_reward(prompts, responses, answers):
-    """2.0 when the extracted answer equals the reference answer, else 0.0."""
-    return [
-        2.0 if extract_answer(response) == normalize_answer(answer) else 0.0
-        for response, answer in zip(responses, answers)
-    ]
+    """2.0 when the extracted answer equals the reference answer as a number (`is_correct`), else 0.0."""
+    return [2.0 if is_correct(response, answer) else 0.0 for response, answer in zip(responses, answers)]
 
 
 def digit_reward(prompts, responses, answers):
-    """0.5 when the extracted answer is all digits (an integer), else 0.0."""
-    return [0.5 if extract_answer(response).isdigit() else 0.0 for response in responses]
+    """0.5 when the extracted answer is a plain integer, else 0.0.
+
+    A plain integer: digits, optionally a minus sign and thousands separators ("72", "-3",
+    "1,234"); not "5.0", "3.75" or "3/4". The seed's `.isdigit()` saw "-3" as "3" and "1,234"
+    as "234" (both 0.5), so the values equal the seed's for every response.
+    """
+    return [0.5 if INTEGER_REGEX.fullmatch(extract_answer(response)) else 0.0 for response in responses]
 
 
 def hard_format_reward(prompts, responses, answers):
@@ -76,21 +128,3 @@ def hard_format_reward(prompts, responses, answers):
 def mark_reward(prompts, responses, answers):
     """Soft format reward in [0, 0.5]: see `mark_num`."""
     return [mark_num(response) for response in responses]
-
-
-def soft_overlong_punishment(prompts, responses, answers, response_lengths, max_length, cache_length, penalty_factor=1.0):
-    """DAPO Eq. (13), counted in response tokens |y| (`response_lengths`, EOS included):
-
-        R(y) = 0                                  if |y| <= L_max - L_cache
-             = ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
-             = -1                                 if |y| > L_max
-
-    scaled by `penalty_factor` (verl's `overlong_buffer.penalty_factor`). The trainer binds
-    `max_length` (L_max), `cache_length` (L_cache) and `penalty_factor` from DapoArguments and
-    passes `response_lengths` to any reward function that declares that parameter.
-    """
-    expected = max_length - cache_length
-    return [
-        penalty_factor * max(-1.0, min(0.0, (expected - float(length)) / cache_length))
-        for length in response_lengths
-    ]

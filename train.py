@@ -44,7 +44,7 @@ from transformers import HfArgumentParser, LogitsProcessor, LogitsProcessorList,
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from reward_func import correctness_reward, digit_reward, extract_answer, hard_format_reward, mark_reward
-from reward_func import normalize_answer
+from reward_func import is_correct, normalize_answer
 from checkpoints import ARGS_FILE, LOG_FILES, find_checkpoint, resume, save_checkpoint
 from trackers import make_tracker
 
@@ -1104,7 +1104,7 @@ class DapoTrainer:
             response_ids = self.sample(input_ids, attention_mask)[:, input_ids.size(1) :]
             responses = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
             for response, answer in zip(responses, batch["answer"]):
-                correct_count += extract_answer(response) == normalize_answer(answer)
+                correct_count += is_correct(response, answer)  # the same comparison as correctness_reward
                 total_count += 1
             if return_examples and len(examples) < NUM_LOGGED_EXAMPLES:
                 examples += self.describe_examples(batch, responses)[: NUM_LOGGED_EXAMPLES - len(examples)]

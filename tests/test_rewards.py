@@ -1,6 +1,9 @@
-"""Every reward branch with its exact value (the seed's numbers)."""
+"""Every reward branch with its exact value (the seed's numbers, and where numbers differ, why)."""
 
 import math
+import random
+import re
+from fractions import Fraction
 
 import pytest
 import torch
@@ -10,9 +13,11 @@ from reward_func import (
     digit_reward,
     extract_answer,
     hard_format_reward,
+    is_correct,
     mark_num,
     mark_reward,
     normalize_answer,
+    parse_number,
 )
 from train import soft_overlong_punishment
 
@@ -26,8 +31,20 @@ PERFECT = "<think>\n3+5=8\n</think>\n<answer>\n8\n</answer>\n"
         ("<answer>\n答案是 3.75 元\n</answer>", "3.75"),
         ("<answer>3/4</answer>", "3/4"),
         ("<answer>先算 12 再算 30，最后 42</answer>", "42"),  # the last number
-        ("<answer>1,000</answer>", "000"),  # no thousands separators: the seed's regex
-        ("<answer>-5</answer>", "5"),  # no sign: the seed's regex
+        ("<answer>1,000</answer>", "1,000"),  # thousands separators (the seed: "000")
+        ("<answer>12,345,678.5</answer>", "12,345,678.5"),
+        ("<answer>-5</answer>", "-5"),  # a sign (the seed: "5")
+        ("<answer>答案是−5</answer>", "−5"),  # U+2212 after a CJK character
+        ("<answer>－5</answer>", "－5"),  # full-width minus
+        ("<answer>-3/4</answer>", "-3/4"),
+        ("<answer>8-5</answer>", "5"),  # after a digit "-" is a subtraction
+        ("<answer>x-5</answer>", "5"),  # ... and after a letter or ")"
+        ("<answer>(8)-5</answer>", "5"),
+        ("<answer>3,4,567</answer>", "567"),  # not a thousands group: a list
+        ("<answer>1,2345</answer>", "2345"),  # not groups of three
+        ("<answer>1,234/5</answer>", "234/5"),  # the fraction wins, as in the seed
+        ("<answer>3，456</answer>", "456"),  # the full-width comma separates Chinese list items
+        ("<answer>5.0</answer>", "5.0"),
         ("<answer></answer>", ""),  # empty tag
         ("<answer>没有数字</answer>", ""),  # no number
         ("答案是 72", ""),  # no tag
@@ -51,14 +68,121 @@ def test_normalize_answer_keeps_non_integers():
 
 
 def test_correctness_reward_values_and_answer_types():
-    responses = ["<answer>72</answer>", "<answer>71</answer>", "no tag", "<answer>72.0</answer>"]
-    for answer in (torch.tensor(72), 72, 72.0, "72"):
-        assert correctness_reward(None, responses, [answer] * 4) == [2.0, 0.0, 0.0, 0.0]
+    responses = ["<answer>72</answer>", "<answer>71</answer>", "no tag", "<answer>72.0</answer>", "<answer>72/1</answer>"]
+    for answer in (torch.tensor(72), 72, 72.0, "72", "72.0"):
+        assert correctness_reward(None, responses, [answer] * 5) == [2.0, 0.0, 0.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("72", Fraction(72)),
+        ("1,234", Fraction(1234)),
+        ("-1,234.5", Fraction(-2469, 2)),
+        ("−3", Fraction(-3)),
+        ("－3", Fraction(-3)),
+        ("5.0", Fraction(5)),
+        ("0.1", Fraction(1, 10)),  # exact, not the float 0.1
+        ("3/4", Fraction(3, 4)),
+        ("1e-07", Fraction(1, 10**7)),  # str() of a small float reference answer
+        ("3/0", None),
+        ("1,2", None),
+        ("", None),
+        ("abc", None),
+    ],
+)
+def test_parse_number(text, value):
+    assert parse_number(text) == value
+
+
+@pytest.mark.parametrize(
+    "body, answer, correct",
+    [
+        ("5.0", 5, True),
+        ("5.00", torch.tensor(5), True),
+        ("1,234", 1234, True),
+        ("1,234", 234, False),  # the seed: True ("234")
+        ("-3", -3, True),  # the seed: False ("3" != "-3")
+        ("-3", 3, False),  # the seed: True
+        ("答案是−3", torch.tensor(-3), True),
+        ("0.75", "3/4", True),  # exact rationals
+        ("3/4", 0.75, True),
+        ("0.3", 0.1 + 0.2, False),  # 0.30000000000000004 is not 0.3: no float tolerance
+        ("1/3", "0.333", False),
+        ("3/0", "3/0", True),  # not numbers: compared as strings, as the seed did
+        ("", "", False),  # nothing extracted is never correct
+    ],
+)
+def test_is_correct_compares_numbers_exactly(body, answer, correct):
+    response = f"<answer>{body}</answer>"
+    assert is_correct(response, answer) is correct
+    assert correctness_reward(None, [response], [answer]) == [2.0 if correct else 0.0]
 
 
 def test_digit_reward():
-    responses = ["<answer>72</answer>", "<answer>3.5</answer>", "<answer>3/4</answer>", "<answer>x</answer>", "72"]
-    assert digit_reward(None, responses, [0] * 5) == [0.5, 0.0, 0.0, 0.0, 0.0]
+    bodies = ["72", "3.5", "3/4", "x", "-3", "−3", "1,234", "-1,234", "5.0", "1,234.0", "-3/4"]
+    responses = [f"<answer>{body}</answer>" for body in bodies] + ["72"]
+    assert digit_reward(None, responses, [0] * 12) == [0.5, 0, 0, 0, 0.5, 0.5, 0.5, 0.5, 0, 0, 0, 0]
+
+
+# The seed's extraction, verbatim, to compare against.
+SEED_NUMBER_REGEX = re.compile(r"\d+\.\d+|\d+/\d+|\d+")
+
+
+def seed_extract_answer(text):
+    match = re.search(r"<answer>(.*?)<\/answer>", text, re.DOTALL)
+    if not match or not match.group(1):
+        return ""
+    nums = SEED_NUMBER_REGEX.findall(match.group(1))
+    return nums[-1].strip() if nums else ""
+
+
+def seed_rewards(response, answer):
+    """The seed's (correctness, digit) rewards; str(answer) is its str(ans.item()) for a tensor."""
+    extracted = seed_extract_answer(response)
+    return (2.0 if extracted == str(answer) else 0.0, 0.5 if extracted.isdigit() else 0.0)
+
+
+def new_rewards(response, answer):
+    return (correctness_reward(None, [response], [answer])[0], digit_reward(None, [response], [answer])[0])
+
+
+# The kinds of responses whose default rewards differ from the seed's (only correctness changes):
+# (answer block, reference answer, seed's (correctness, digit), here (correctness, digit)).
+CHANGED_DEFAULT_REWARDS = [
+    ("1,234", 1234, (0.0, 0.5), (2.0, 0.5)),  # the seed read "234"
+    ("1,234", 234, (2.0, 0.5), (0.0, 0.5)),
+    ("-1,234", -1234, (0.0, 0.5), (2.0, 0.5)),
+    ("-3", -3, (0.0, 0.5), (2.0, 0.5)),  # the seed read "3"
+    ("-3", 3, (2.0, 0.5), (0.0, 0.5)),
+    ("答案是 −3 度", -3, (0.0, 0.5), (2.0, 0.5)),
+    ("5.0", 5, (0.0, 0.0), (2.0, 0.0)),  # "5.0" != "5" in the seed
+    ("5/1", 5, (0.0, 0.0), (2.0, 0.0)),
+    ("0.75", "3/4", (0.0, 0.0), (2.0, 0.0)),
+]
+
+
+@pytest.mark.parametrize("body, answer, seed, here", CHANGED_DEFAULT_REWARDS)
+def test_changes_to_the_seeds_default_rewards(body, answer, seed, here):
+    response = f"<think>\n...\n</think>\n<answer>\n{body}\n</answer>\n"
+    assert seed != here
+    assert seed_rewards(response, answer) == seed
+    assert new_rewards(response, answer) == here
+    # hard_format_reward and mark_reward do not read the answer: 0.5 + 0.5 in both.
+    assert hard_format_reward(None, [response], [answer]) == [0.5] and mark_reward(None, [response], [answer]) == [0.5]
+
+
+def test_digit_reward_equals_the_seeds_on_random_answers():
+    # Random answer blocks of digits, separators, signs and letters: digit_reward is the seed's
+    # everywhere, and the seed's extraction is the tail of the new one (a sign or a thousands
+    # group added in front), so the seed's number is never read differently, only extended.
+    rng = random.Random(0)
+    alphabet = "0123456789" * 3 + ",,,..//--−－ a)，x"
+    for _ in range(20000):
+        response = "<answer>" + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14))) + "</answer>"
+        seed, new = seed_extract_answer(response), extract_answer(response)
+        assert digit_reward(None, [response], [0]) == [0.5 if seed.isdigit() else 0.0], response
+        assert (seed == "") == (new == "") and new.replace(",", "").lstrip("-−－").endswith(seed), response
 
 
 def test_hard_format_reward():
