@@ -11,6 +11,8 @@ def read_jsonl(path):
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
+
+def read_seed_log(path):
     """{step: value} from a seed-format text log ("step,value" lines); values of one step are summed."""
     values = defaultdict(float)
     if os.path.exists(path):
