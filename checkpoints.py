@@ -9,11 +9,14 @@ import shutil
 import torch
 from transformers import AutoModelForCausalLM
 
-from curves import read_jsonl
+from curves import read_jsonl, read_seed_log
 
 TRAINER_STATE = "trainer_state.pt"  # in the newest checkpoint: optimizer, scheduler, loop state, RNG
 ARGS_FILE = "dapo_args.json"  # in each checkpoint: the DapoArguments used
 LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl")  # in output_dir
+# What one optimizer step is made of: changing one of these on resume would silently change the run.
+STEP_SETTINGS = ("num_generations", "batch_size", "gradient_accumulation_steps", "steps_per_generation")
+STEP_SETTINGS += ("num_iterations", "loss_agg_mode", "filter_metric", "seed")
 
 
 def checkpoint_path(output_dir, step):
@@ -23,62 +26,103 @@ def checkpoint_path(output_dir, step):
 def save_checkpoint(trainer):
     """output_dir/checkpoint_N: model, tokenizer, optimizer, scheduler, loop position, RNG, arguments.
 
-    Written at a step end to checkpoint_N.tmp and renamed into place, so a crash never leaves a
-    complete-looking half checkpoint.
+    Written at a step end to checkpoint_N.tmp and renamed into place, so a crash (or a full disk) never
+    leaves a complete-looking half checkpoint. Older checkpoints then keep weights and tokenizer only.
     """
-    final = checkpoint_path(trainer.args.output_dir, trainer.state.update_steps)
+    args, step = trainer.args, trainer.state.update_steps
+    final = checkpoint_path(args.output_dir, step)
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    trainer.model.save_pretrained(tmp)
-    trainer.tokenizer.save_pretrained(tmp)
-    cuda_rng = torch.cuda.get_rng_state_all() if trainer.args.device.startswith("cuda") else []
-    trainer_state = {"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()}
-    trainer_state.update(loop=trainer.state.state_dict(), rng=torch.get_rng_state(), cuda_rng=cuda_rng)
-    torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
-    with open(os.path.join(tmp, ARGS_FILE), "w", encoding="utf-8") as f:
-        json.dump(dataclasses.asdict(trainer.args), f, indent=2)
+    try:
+        trainer.model.save_pretrained(tmp)
+        trainer.tokenizer.save_pretrained(tmp)
+        cuda_rng = torch.cuda.get_rng_state_all() if args.device.startswith("cuda") else []
+        state = {"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()}
+        state.update(loop=trainer.state.state_dict(), rng=torch.get_rng_state(), cuda_rng=cuda_rng)
+        torch.save(state, os.path.join(tmp, TRAINER_STATE))
+        # Absolute paths: a resumed run may start in another working directory.
+        saved_args = dataclasses.asdict(args) | {
+            k: os.path.abspath(getattr(args, k)) for k in ("model_path", "data_path")
+        }
+        with open(os.path.join(tmp, ARGS_FILE), "w", encoding="utf-8") as f:
+            json.dump(saved_args, f, indent=2)
+    except (OSError, RuntimeError) as error:  # torch reports a full disk as "RuntimeError: [enforce fail ...]"
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = [s for s in find_checkpoints(args.output_dir) if s != step]
+        intact = f"checkpoint_{max(previous)} is intact" if previous else "no earlier checkpoint exists"
+        raise RuntimeError(f"could not write checkpoint_{step} (disk full?): {error}; {intact}") from error
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     # Only the newest checkpoint keeps the trainer state (a 1.5B model's Adam states are 12 GB).
-    out, limit = trainer.args.output_dir, trainer.args.save_total_limit
-    older = sorted(step for step in find_checkpoints(out) if step != trainer.state.update_steps)
-    for step in older:
+    older = sorted(s for s in find_checkpoints(args.output_dir) if s != step)
+    for old in older:
         with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(checkpoint_path(out, step), TRAINER_STATE))
-    for step in older[: max(0, len(older) + 1 - limit)] if limit else []:
-        shutil.rmtree(checkpoint_path(out, step))
+            os.remove(os.path.join(checkpoint_path(args.output_dir, old), TRAINER_STATE))
+    for old in older[: max(0, len(older) + 1 - args.save_total_limit)] if args.save_total_limit else []:
+        shutil.rmtree(checkpoint_path(args.output_dir, old))
     return final
 
 
+def checkpoint_arguments(checkpoint):
+    """The DapoArguments fields a resumed run inherits: all but the device (the machine's own), with
+    output_dir the folder that holds the checkpoint."""
+    with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as f:
+        saved = json.load(f)
+    saved.pop("device", None)
+    return saved | {"output_dir": os.path.dirname(os.path.abspath(checkpoint))}
+
+
 def resume(trainer, checkpoint):
-    """Continue from a checkpoint: weights, optimizer, scheduler, loop position and RNG; the logs
-    in output_dir are cut back to its step so that no line is written twice."""
-    saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location=trainer.args.device, weights_only=True)
-    trainer.model.load_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict())
+    """Continue from a checkpoint: weights, optimizer, scheduler, loop position and RNG. Optimizer settings
+    given anew (lr, weight_decay, warmup_steps, max_grad_norm) apply from here on; a changed STEP_SETTINGS
+    field is refused. Only then are the logs cut back to the checkpoint's step, so that no line repeats."""
+    args = trainer.args
+    with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as f:
+        saved_args = json.load(f)
+    changed = [
+        f"{k} ({saved_args[k]!r} -> {getattr(args, k)!r})" for k in STEP_SETTINGS if saved_args[k] != getattr(args, k)
+    ]
+    if changed:
+        raise ValueError(f"cannot resume {checkpoint} with other step settings: {', '.join(changed)}; start a new run")
+    saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location=args.device, weights_only=True)
+    weights = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+    trainer.model.load_state_dict(weights)
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in trainer.optimizer.param_groups]
     trainer.optimizer.load_state_dict(saved["optimizer"])
     trainer.scheduler.load_state_dict(saved["scheduler"])
+    trainer.scheduler.base_lrs = [args.lr] * len(settings)
+    for group, setting in zip(trainer.optimizer.param_groups, settings):  # this run's settings, not the saved ones
+        group.update(setting, lr=args.lr * trainer.scheduler.lr_lambdas[0](trainer.scheduler.last_epoch))
     trainer.state.load_state_dict(saved["loop"])
     torch.set_rng_state(saved["rng"].cpu())
-    if saved["cuda_rng"]:
+    if saved["cuda_rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in saved["cuda_rng"]])
     trainer.resumed = True
-    step, out = trainer.state.update_steps, trainer.args.output_dir
+    step, out = trainer.state.update_steps, args.output_dir
     # training_losses lines carry the steps finished *before* their micro-step; the others, their step.
     cut_log(os.path.join(out, LOG_FILES[0]), lambda line: int(line.split(",")[0]) < step)
     cut_log(os.path.join(out, LOG_FILES[1]), lambda line: int(line.split(",")[0]) <= step)
     for name in LOG_FILES[2:]:
         cut_log(os.path.join(out, name), lambda line: json.loads(line)["step"] <= step)
-    trainer.history = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    trainer.history = read_jsonl(os.path.join(out, LOG_FILES[2]))
+    accuracies = read_seed_log(os.path.join(out, LOG_FILES[1]))  # the progress bar shows the last one
+    trainer.last_accuracy = accuracies[max(accuracies)] if accuracies else float("nan")
 
 
 def cut_log(path, keep):
-    """Rewrite a log keeping the lines for which keep(line) holds (atomically: tmp file + rename)."""
+    """Rewrite a log keeping the lines for which keep(line) holds (atomically: tmp file + rename). A line
+    that does not parse, the last one of a run that died mid-write, is dropped."""
     if not os.path.exists(path):
         return
     with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip() and keep(line)]
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for line in lines:
+        with contextlib.suppress(ValueError, IndexError):
+            if keep(line):
+                kept.append(line if line.endswith("\n") else line + "\n")
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(lines)
+        f.writelines(kept)
     os.replace(path + ".tmp", path)
 
 
@@ -93,9 +137,10 @@ def find_checkpoint(resume, output_dir):
     if resume == "latest":
         if not find_checkpoints(output_dir):
             raise FileNotFoundError(f"no checkpoint to resume in {output_dir!r}")
-        resume = os.path.join(output_dir, f"checkpoint_{max(find_checkpoints(output_dir))}")
+        resume = checkpoint_path(output_dir, max(find_checkpoints(output_dir)))
     if not os.path.isfile(os.path.join(resume, TRAINER_STATE)):
         raise FileNotFoundError(
-            f"{resume!r} is not a checkpoint folder to resume from (no {TRAINER_STATE} in it; only the newest checkpoint keeps one)"
+            f"{resume!r} is not a checkpoint folder to resume from (no {TRAINER_STATE} in it; "
+            "only the newest checkpoint keeps one)"
         )
     return resume

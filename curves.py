@@ -1,5 +1,6 @@
 """output_dir/curves.png from a run's logs (python train.py --plot DIR draws it for any output folder)."""
 
+import contextlib
 import json
 import os
 from collections import defaultdict
@@ -9,7 +10,12 @@ def read_jsonl(path):
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    records = []
+    for line in lines:
+        with contextlib.suppress(json.JSONDecodeError):  # a run that died mid-write leaves half a line
+            records.append(json.loads(line))
+    return records
 
 
 def read_seed_log(path):

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -45,7 +46,7 @@ from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWa
 
 from reward_func import correctness_reward, digit_reward, extract_answer, hard_format_reward, mark_reward
 from reward_func import is_correct, normalize_answer
-from checkpoints import ARGS_FILE, LOG_FILES, find_checkpoint, resume, save_checkpoint
+from checkpoints import LOG_FILES, checkpoint_arguments, find_checkpoint, find_checkpoints, resume, save_checkpoint
 from trackers import make_tracker
 
 SYSTEM_PROMPT = """
@@ -80,7 +81,11 @@ class GSM8KDataset(Dataset):
                 "`hf download swulling/gsm8k_chinese --repo-type dataset --local-dir "
                 f"{data_path}` (or from ModelScope), or set --data_path."
             )
-        data = load_dataset(data_path)
+        try:
+            data = load_dataset(data_path)
+        except Exception as error:  # datasets wraps Arrow's errors, e.g. an empty parquet file
+            cause = error.__cause__ or error
+            raise ValueError(f"cannot read the data set in {data_path!r}: {cause} (an empty or damaged file?)") from error
         if "test" not in data and "train" in data:
             data = data["train"].train_test_split(test_size=test_size, seed=0)
         if split not in data:
@@ -92,6 +97,14 @@ class GSM8KDataset(Dataset):
                 f"{data[split].column_names}. GSM8KDataset expects swulling/gsm8k_chinese's columns."
             )
         self.data = data[split]
+        if len(self.data) == 0:
+            raise ValueError(f"split {split!r} of {data_path!r} is empty; GSM8KDataset needs question/answer rows")
+        null_rows = [i for i, answer in enumerate(self.data[ANSWER_COLUMN]) if answer is None]
+        if null_rows:
+            raise ValueError(
+                f"split {split!r} of {data_path!r} has no {ANSWER_COLUMN} in rows {null_rows[:10]}"
+                f"{' ...' if len(null_rows) > 10 else ''}: fill or drop them"
+            )
 
     def __len__(self):
         return len(self.data)
@@ -519,7 +532,19 @@ class LoopState:
         vars(self).update(state)
 
 
+EMPTY_ROUNDS_WARNING = 20  # sampling rounds in a row without a valid group before a warning
 NUM_LOGGED_EXAMPLES = 4  # evaluation problems written to samples.jsonl at each evaluation
+
+
+class NoTrainingStep(RuntimeError):
+    """The run ended without a single optimizer step."""
+
+
+def starvation_advice(args):
+    return (
+        f"filter_metric={args.filter_metric!r} skips every group whose responses all score the same; check the "
+        "reward functions, use an easier data set or a stronger model, or set filter_metric='none'"
+    )
 
 
 class DapoTrainer:
@@ -732,15 +757,19 @@ class DapoTrainer:
     def score_rewards(self, prompts, responses, answers):
         """rewards_per_func [N, F] for N responses; NaN where a function returned None."""
         columns = []
-        for reward_func, reward_tokenizer in zip(self.reward_funcs, self.reward_tokenizers):
+        for name, reward_func, reward_tokenizer in zip(self.reward_names, self.reward_funcs, self.reward_tokenizers):
             if isinstance(reward_func, PreTrainedModel):  # scored on prompt + response, with its own tokenizer
                 texts = [p + r for p, r in zip(prompts, responses)]
                 enc = reward_tokenizer(texts, return_tensors="pt", padding=True).to(self.args.device)
                 columns.append(reward_func(**enc).logits[:, 0].float())
-            else:
-                values = reward_func(prompts=prompts, responses=responses, answers=answers)
-                values = [math.nan if v is None else float(v) for v in values]
-                columns.append(torch.tensor(values, dtype=torch.float32, device=self.args.device))
+                continue
+            values = list(reward_func(prompts=prompts, responses=responses, answers=answers))
+            if len(values) != len(responses):
+                raise ValueError(f"reward function {name} returned {len(values)} values for {len(responses)} responses")
+            values = [math.nan if v is None else float(v) for v in values]  # None: no opinion
+            if any(math.isinf(v) for v in values):
+                raise ValueError(f"reward function {name} returned an infinite reward; return None for no opinion")
+            columns.append(torch.tensor(values, dtype=torch.float32, device=self.args.device))
         return torch.stack(columns, dim=1)
 
     def generate_experiences(self, inputs):
@@ -912,8 +941,12 @@ class DapoTrainer:
         if args.max_steps:
             self.global_steps = min(self.global_steps, args.max_steps)
         self.tracker = make_tracker(args.report_to, args.output_dir, dataclasses.asdict(args))
+        if args.max_steps and state.update_steps >= args.max_steps:
+            tqdm.write(f"already at max_steps={args.max_steps}: nothing to train (raise --max_steps to go on)")
+            return
         if not self.resumed:  # a resumed run evaluated before its checkpoint
             self.evaluate_and_log()
+        start_steps, self.empty_rounds = state.update_steps, 0
         metrics = defaultdict(list)  # what this optimizer step gathered
         bar = dict(total=self.global_steps, initial=state.update_steps, desc="DAPO", unit="step", dynamic_ncols=True)
         with (
@@ -922,7 +955,7 @@ class DapoTrainer:
             contextlib.closing(self.tracker),
         ):
             batches = self.prompt_batches()
-            while True:
+            while not (args.max_steps and state.update_steps >= args.max_steps):
                 if state.rollout is None:
                     # 1. Sample G responses per prompt, score them, drop the groups without signal
                     #    (dynamic sampling), and buffer the rest until the step's groups are there.
@@ -935,6 +968,7 @@ class DapoTrainer:
                     for key in GROUP_KEYS:
                         state.buffer[key] += experiences[key]
                     state.rounds += 1
+                    self.empty_rounds = 0 if experiences["advantages"] else self.empty_rounds + 1
                     if len(state.buffer["advantages"]) < groups_per_rollout:
                         self.check_rounds()
                         continue
@@ -970,17 +1004,22 @@ class DapoTrainer:
                 # 3. Step end: log, evaluate, save, stop.
                 for loss in losses:  # the seed's file: one line per micro-step, numbered by the steps before it
                     self.append_line("training_losses.txt", f"{state.update_steps - 1},{loss:.8f}")
-                self.log_step(metrics)
-                metrics = defaultdict(list)
                 if state.update_steps % args.eval_steps == 0:
                     self.evaluate_and_log()
+                self.log_step(metrics)
+                metrics = defaultdict(list)
                 if state.update_steps % args.save_steps == 0 or self.stop_requested:
                     path = save_checkpoint(self)
                 if self.stop_requested:
                     tqdm.write(f"stopped; continue with: python train.py --resume={path}")
                     raise KeyboardInterrupt
-                if state.update_steps == args.max_steps:
-                    break
+        if state.update_steps == start_steps:  # every group was skipped, to the end of the data
+            raise NoTrainingStep(f"the data ran out before one optimizer step: {starvation_advice(args)}")
+        if state.update_steps < self.global_steps:
+            tqdm.write(
+                f"the data ran out after {state.update_steps} steps: {self.global_steps} was an upper bound, "
+                f"and dynamic sampling skipped {state.skipped_groups} groups"
+            )
 
     def prompt_batches(self):
         """Epochs of prompt batches, in a seeded order per epoch, so that a resumed run skips exactly the
@@ -997,14 +1036,16 @@ class DapoTrainer:
             state.buffer = {key: [] for key in GROUP_KEYS}
 
     def check_rounds(self):
-        """max_num_gen_batches: give up when dynamic sampling keeps too few groups, saying why."""
+        """Dynamic sampling that keeps too few groups: warn once after EMPTY_ROUNDS_WARNING rounds in a row that
+        kept none; give up after max_num_gen_batches rounds for one step. Both say the rule and the fix."""
         args, state = self.args, self.state
+        if self.empty_rounds == EMPTY_ROUNDS_WARNING:
+            warnings.warn(f"the last {self.empty_rounds} sampling rounds kept no group: {starvation_advice(args)}")
         if args.max_num_gen_batches and state.rounds >= args.max_num_gen_batches:
+            needed = args.batch_size * args.gradient_accumulation_steps * args.steps_per_generation
             raise RuntimeError(
-                f"{state.rounds} sampling rounds gave only {len(state.buffer['advantages'])} of "
-                f"{args.batch_size * args.gradient_accumulation_steps} valid groups (dynamic sampling skips "
-                "groups whose responses all score the same). Raise max_num_gen_batches (0 = no limit), use an "
-                "easier data set or a stronger model."
+                f"{state.rounds} sampling rounds gave only {len(state.buffer['advantages'])} of {needed} valid "
+                f"groups: {starvation_advice(args)}, or raise max_num_gen_batches (0 = no limit)"
             )
 
     @contextlib.contextmanager
@@ -1173,9 +1214,12 @@ def build_args(preset, overrides):
 
 
 def missing_inputs_message(args):
+    return f"Model folder {args.model_path!r} or data set folder {args.data_path!r} not found.\n" + download_help(args)
+
+
+def download_help(args):
     return (
-        f"Model folder {args.model_path!r} or data set folder {args.data_path!r} not found.\n"
-        "Download them first (about 3 GB and 5 MB):\n"
+        "Download them first (about 3 GB and 5 MB; `hf` comes with huggingface_hub):\n"
         f"  hf download Qwen/Qwen2.5-1.5B-Instruct --local-dir {args.model_path}\n"
         f"  hf download swulling/gsm8k_chinese --repo-type dataset --local-dir {args.data_path}\n"
         "or from ModelScope:\n"
@@ -1186,17 +1230,49 @@ def missing_inputs_message(args):
     )
 
 
+SEED_REWARD_FUNCS = [correctness_reward, digit_reward, hard_format_reward, mark_reward]
+
+
 def build_trainer(args):
     """The seed's run: policy and tokenizer from model_path, GSM8K from data_path, the four rewards."""
     tokenizer = load_tokenizer(args.model_path)
     return DapoTrainer(
         model=load_causal_lm(args.model_path),
-        reward_funcs=[correctness_reward, digit_reward, hard_format_reward, mark_reward],
+        reward_funcs=list(SEED_REWARD_FUNCS),
         args=args,
         train_dataset=GSM8KDataset(args.data_path, tokenizer, split="train"),
         eval_dataset=GSM8KDataset(args.data_path, tokenizer, split="test"),
         tokenizer=tokenizer,
     )
+
+
+def check_before_loading(args, fresh):
+    """What can be checked before a model loads: input folders, output_dir, the reward weights."""
+    if not os.path.exists(args.model_path) or not os.path.isdir(args.data_path):
+        sys.exit(missing_inputs_message(args))
+    if os.path.isdir(args.model_path) and not os.path.isfile(os.path.join(args.model_path, "config.json")):
+        sys.exit(
+            f"error: model folder {args.model_path!r} has no config.json (an interrupted download?)\n"
+            + download_help(args)
+        )
+    if args.reward_weights is not None and len(args.reward_weights) != len(SEED_REWARD_FUNCS):
+        sys.exit(
+            f"error: reward_weights has {len(args.reward_weights)} entries for {len(SEED_REWARD_FUNCS)} reward functions"
+        )
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, ".write_test"), "w"):
+            pass
+        os.remove(os.path.join(args.output_dir, ".write_test"))
+    except OSError as error:
+        sys.exit(
+            f"error: cannot write to output_dir {args.output_dir!r} ({error.strerror}): choose another --output_dir"
+        )
+    if fresh and find_checkpoints(args.output_dir):  # --resume=latest must never pick up another run's
+        sys.exit(
+            f"error: {args.output_dir!r} holds checkpoints of an earlier run (checkpoint_{max(find_checkpoints(args.output_dir))}): "
+            "continue it with --resume=latest, or start this one in another --output_dir"
+        )
 
 
 def main(argv=None):
@@ -1214,27 +1290,30 @@ def main(argv=None):
     checkpoint = None
     if cli.resume:  # the checkpoint's arguments, under anything given on the command line
         checkpoint = find_checkpoint(cli.resume, overrides.get("output_dir", DapoArguments.output_dir))
-        with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as f:
-            overrides = {**json.load(f), **overrides}
+        overrides = {**checkpoint_arguments(checkpoint), **overrides}
     try:
         args = build_args(cli.preset, overrides)
     except ValueError as error:
         sys.exit(f"error: {error}")
-    if cli.demo:  # a fresh world; the demo's folder starts afresh (a real run appends, as the seed does)
-        for name in LOG_FILES:
-            if os.path.exists(os.path.join(args.output_dir, name)):
-                os.remove(os.path.join(args.output_dir, name))
+    if cli.demo and checkpoint is None:  # a new world in a clean folder: the demo owns output_dir
+        for name in [*LOG_FILES, *(f"checkpoint_{step}" for step in find_checkpoints(args.output_dir))]:
+            path = os.path.join(args.output_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
         world = tiny_world.build_tiny_world(args.output_dir, SYSTEM_PROMPT, warm_up_steps=warm_up_steps)
         args.model_path, args.data_path = world
-    if not os.path.exists(args.model_path) or not os.path.isdir(args.data_path):
-        sys.exit(missing_inputs_message(args))
+    check_before_loading(args, fresh=checkpoint is None)
     trainer = build_trainer(args)
     if checkpoint:
-        resume(trainer, checkpoint)
+        try:
+            resume(trainer, checkpoint)
+        except ValueError as error:
+            sys.exit(f"error: {error}")
     try:
         trainer.train()
     except KeyboardInterrupt:  # train() saved a checkpoint and said how to resume
         sys.exit(130)
+    except NoTrainingStep as error:
+        sys.exit(f"error: {error}")
     trainer.save_model()
     if cli.demo:
         print(tiny_world.demo_summary(trainer.history, args.output_dir))
