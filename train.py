@@ -992,7 +992,7 @@ class DapoTrainer:
                     losses.append(metrics["loss"][-1])
                 max_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
                 metrics["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
-                metrics["learning_rate"].append(self.scheduler.get_last_lr()[0])
+                metrics["learning_rate"].append(self.optimizer.param_groups[0]["lr"])
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad()

@@ -77,9 +77,9 @@ def test_token_mean_normalises_by_each_optimizer_steps_own_tokens(make_trainer):
     )  # fmt: skip
     seen = []
     original_step = trainer.train_step
-    trainer.train_step = lambda model, inputs, normaliser=None: seen.append(
-        (normaliser, int(inputs["action_mask"].sum()))
-    ) or original_step(model, inputs, normaliser)
+    trainer.train_step = lambda model, inputs, normaliser=None: (
+        seen.append((normaliser, int(inputs["action_mask"].sum()))) or original_step(model, inputs, normaliser)
+    )
     trainer.train()
     assert [n for n, _ in seen] == [tokens for _, tokens in seen]  # one micro-batch per step: its own count
 
