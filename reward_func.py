@@ -128,3 +128,49 @@ def hard_format_reward(prompts, responses, answers):
 def mark_reward(prompts, responses, answers):
     """Soft format reward in [0, 0.5]: see `mark_num`."""
     return [mark_num(response) for response in responses]
+
+
+# ---- reward models: a sequence-classification model (or its path) in place of a function ----
+def load_reward_models(reward_funcs, reward_tokenizers, device):
+    """Reward functions as given, with paths loaded as AutoModelForSequenceClassification (one label) and a
+    tokenizer for each model (its own, unless given). Returns (reward_funcs, reward_tokenizers) lists."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+    single = isinstance(reward_funcs, (str, PreTrainedModel)) or callable(reward_funcs)
+    reward_funcs = [reward_funcs] if single else list(reward_funcs or [])
+    if not reward_funcs:
+        raise ValueError("DapoTrainer needs at least one reward function")
+    if (
+        reward_tokenizers is None
+        or isinstance(reward_tokenizers, str)
+        or not isinstance(reward_tokenizers, (list, tuple))
+    ):
+        reward_tokenizers = [reward_tokenizers] * (len(reward_funcs) if reward_tokenizers is None else 1)
+    if len(reward_tokenizers) != len(reward_funcs):
+        raise ValueError("reward_tokenizers must have one entry per reward function")
+    reward_tokenizers = list(reward_tokenizers)
+    for i, reward_func in enumerate(reward_funcs):
+        if isinstance(reward_func, str):
+            reward_func = AutoModelForSequenceClassification.from_pretrained(reward_func, num_labels=1)
+        if isinstance(reward_func, PreTrainedModel):
+            reward_funcs[i] = reward_func = reward_func.to(device).eval()
+            tokenizer = reward_tokenizers[i] or reward_func.config._name_or_path
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer) if isinstance(tokenizer, str) else tokenizer
+            if tokenizer.pad_token_id is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            reward_func.config.pad_token_id = tokenizer.pad_token_id
+            reward_tokenizers[i] = tokenizer
+    return reward_funcs, reward_tokenizers
+
+
+def reward_model_scores(model, tokenizer, prompts, responses):
+    """The model's score of each prompt + response: [N] float32."""
+    texts = [p + r for p, r in zip(prompts, responses)]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True).to(model.device)
+    return model(**inputs).logits[:, 0].float()
+
+
+def reward_func_name(reward_func):
+    if hasattr(reward_func, "config"):  # a reward model: its folder's name
+        return reward_func.config._name_or_path.rstrip("/").split("/")[-1] or "reward_model"
+    return getattr(reward_func, "__name__", type(reward_func).__name__)

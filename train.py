@@ -5,7 +5,7 @@ RL fine-tuning of a chat LLM on grade-school math (GSM8K, Chinese), after the DA
 Read it top to bottom:
 
     1. data            GSM8KDataset, Samples (one group)
-    2. settings        DapoArguments (edit the defaults in place, or `--field=value`)
+    2. settings        DapoArguments (edit the defaults in place, or `--field=value`), paper_preset
     3. DAPO maths      group_advantages, keep_groups, dapo_per_token_loss, aggregate_loss, ...
     4. the trainer     DapoTrainer.train is Algorithm 1 in one loop: sample groups -> rewards ->
                        advantages -> dynamic-sampling filter -> buffer -> micro-batches ->
@@ -16,7 +16,6 @@ Each optimizer step consumes gradient_accumulation_steps micro-batches of batch_
 groups; a group is num_generations responses to one prompt.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import importlib.util
@@ -33,20 +32,19 @@ from collections import defaultdict
 from copy import deepcopy
 from dataclasses import dataclass, field
 from statistics import fmean, stdev
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, List, Optional
 
 import torch
 import torch.nn.functional as F
 from datasets import load_dataset
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
-from transformers import HfArgumentParser, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from reward_func import correctness_reward, digit_reward, extract_answer, hard_format_reward, mark_reward
-from reward_func import is_correct, normalize_answer
 from checkpoints import LOG_FILES, checkpoint_arguments, find_checkpoint, find_checkpoints, resume, save_checkpoint
+from reward_func import correctness_reward, digit_reward, extract_answer, hard_format_reward, is_correct, mark_reward
+from reward_func import load_reward_models, normalize_answer, reward_func_name, reward_model_scores
 from trackers import make_tracker
 
 SYSTEM_PROMPT = """
@@ -69,32 +67,33 @@ ANSWER_COLUMN = "answer_only"  # the final number, e.g. 72
 class GSM8KDataset(Dataset):
     """GSM8K (Chinese) from a local folder: items {"prompt": question, "answer": number}.
 
-    `test_size` is used only when the folder has no "test" split: then a fixed random
-    `test_size` rows of "train" are held out as "test" (and removed from "train").
+    Without a "test" split, a fixed random `test_size` rows of "train" are held out as "test".
     """
 
     def __init__(self, data_path, tokenizer, split: str = "train", test_size: int = 100):
         self.tokenizer = tokenizer
         if not os.path.isdir(data_path):
             raise FileNotFoundError(
-                f"data set folder {data_path!r} does not exist. Download it with "
-                "`hf download swulling/gsm8k_chinese --repo-type dataset --local-dir "
-                f"{data_path}` (or from ModelScope), or set --data_path."
+                f"data set folder {data_path!r} does not exist. Download it with `hf download swulling/gsm8k_chinese "
+                f"--repo-type dataset --local-dir {data_path}` (or from ModelScope), or set --data_path."
             )
         try:
             data = load_dataset(data_path)
         except Exception as error:  # datasets wraps Arrow's errors, e.g. an empty parquet file
             cause = error.__cause__ or error
-            raise ValueError(f"cannot read the data set in {data_path!r}: {cause} (an empty or damaged file?)") from error
+            raise ValueError(
+                f"cannot read the data set in {data_path!r}: {cause} (an empty or damaged file?)"
+            ) from error
         if "test" not in data and "train" in data:
             data = data["train"].train_test_split(test_size=test_size, seed=0)
         if split not in data:
             raise ValueError(f"data set {data_path!r} has no split {split!r}; it has {sorted(data)}.")
-        missing = [c for c in (QUESTION_COLUMN, ANSWER_COLUMN) if c not in data[split].column_names]
+        columns = data[split].column_names
+        missing = [c for c in (QUESTION_COLUMN, ANSWER_COLUMN) if c not in columns]
         if missing:
             raise ValueError(
-                f"split {split!r} of {data_path!r} lacks the column(s) {missing}; it has "
-                f"{data[split].column_names}. GSM8KDataset expects swulling/gsm8k_chinese's columns."
+                f"split {split!r} of {data_path!r} lacks the column(s) {missing}; it has {columns}. "
+                "GSM8KDataset expects swulling/gsm8k_chinese's columns."
             )
         self.data = data[split]
         if len(self.data) == 0:
@@ -102,8 +101,7 @@ class GSM8KDataset(Dataset):
         null_rows = [i for i, answer in enumerate(self.data[ANSWER_COLUMN]) if answer is None]
         if null_rows:
             raise ValueError(
-                f"split {split!r} of {data_path!r} has no {ANSWER_COLUMN} in rows {null_rows[:10]}"
-                f"{' ...' if len(null_rows) > 10 else ''}: fill or drop them"
+                f"split {split!r} of {data_path!r} has no {ANSWER_COLUMN} in rows {null_rows[:10]}: fill or drop them"
             )
 
     def __len__(self):
@@ -122,14 +120,14 @@ class Samples:
     response_ids: torch.Tensor  # [G, T]
     prompt: Any  # the question text
     answer: Any  # the reference answer
-    attention_mask: Optional[torch.LongTensor]  # [G, P+T] real prompt tokens + response up to its first EOS
-    action_mask: Optional[torch.BoolTensor]  # [G, T] response tokens up to and including the first EOS
-    num_actions: Union[int, torch.Tensor]  # T, the padded response length
-    response_length: int  # [G] number of response tokens (EOS included)
+    attention_mask: torch.LongTensor  # [G, P+T] real prompt tokens + response up to its first EOS
+    action_mask: torch.LongTensor  # [G, T] response tokens up to and including the first EOS
+    num_actions: int  # T, the padded response length
+    response_length: torch.Tensor  # [G] number of response tokens (EOS included)
 
 
-# What generate_experiences keeps of each valid group (one tensor per group); a micro-batch holds
-# them padded and concatenated, plus the old and reference log-probs.
+# What generate_experiences keeps of each valid group (one tensor per group); a micro-batch holds them
+# padded and concatenated, plus the old and reference log-probs.
 GROUP_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "advantages")
 
 
@@ -155,7 +153,7 @@ class DapoArguments:
     device: str = arg("cuda" if torch.cuda.is_available() else "cpu", "where the model runs")
     seed: int = arg(42, "seeds torch's RNG (sampling, shuffling, evaluation subsets)")
     # --- optimisation (seed: plain Adam, constant lr) ---
-    lr: float = arg(0.000001, "learning rate (seed and paper: 1e-6)")
+    lr: float = arg(0.000001, "learning rate (seed and paper: 1e-6); 0 samples and logs without learning")
     epoch: int = arg(3, "passes over the training prompts")
     max_steps: int = arg(0, "stop after this many optimizer steps; 0 = run every epoch")
     gradient_accumulation_steps: int = arg(2, "micro-batches per optimizer step")
@@ -204,39 +202,25 @@ class DapoArguments:
         """Reject bad settings up front, naming the field and the fix."""
         at_least_1 = ["gradient_accumulation_steps", "steps_per_generation", "num_iterations", "batch_size", "epoch"]
         at_least_1 += ["max_prompt_length", "max_generate_length", "eval_steps", "eval_samples", "eval_batch_size"]
-        at_least_1 += ["save_steps"]
-        at_least_0 = ["max_steps", "beta", "weight_decay", "warmup_steps", "max_grad_norm", "top_k"]
+        at_least_0 = ["max_steps", "beta", "weight_decay", "warmup_steps", "max_grad_norm", "top_k", "lr"]
         at_least_0 += ["max_num_gen_batches", "save_total_limit", "overlong_penalty_factor"]
-        errors = [f"{name} must be >= 1" for name in at_least_1 if getattr(self, name) < 1]
+        errors = [f"{name} must be >= 1" for name in at_least_1 + ["save_steps"] if getattr(self, name) < 1]
         errors += [f"{name} must be >= 0 (0 = off)" for name in at_least_0 if getattr(self, name) < 0]
         values = dataclasses.asdict(self).items()
-        errors += [
-            f"{name} must be finite, not {v}" for name, v in values if isinstance(v, float) and not math.isfinite(v)
-        ]
+        errors += [f"{k} must be finite, not {v}" for k, v in values if isinstance(v, float) and not math.isfinite(v)]
         checks = [
             (self.num_generations >= 2, "num_generations must be >= 2 (a group needs two responses to compare)"),
-            (
-                0 <= self.clip_eps_low < 1 and 0 <= self.clip_eps_high < 1,
-                "clip_eps_low and clip_eps_high must be in [0, 1)",
-            ),
-            (self.lr >= 0, "lr must be >= 0 (0: sample and log without learning)"),
-            (self.temperature > 0, "temperature must be > 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (
-                0 <= self.overlong_buffer_len < self.max_generate_length,
-                "overlong_buffer_len must be in [0, max_generate_length)",
-            ),
+            (0 <= self.clip_eps_low < 1, "clip_eps_low must be in [0, 1)"),
+            (0 <= self.clip_eps_high < 1, "clip_eps_high must be in [0, 1)"),
+            (self.temperature > 0 and 0 < self.top_p <= 1, "temperature must be > 0 and top_p in (0, 1]"),
+            (self.overlong_buffer_len < self.max_generate_length, "overlong_buffer_len must be < max_generate_length"),
             (self.loss_agg_mode in LOSS_AGG_MODES, f"loss_agg_mode must be one of {LOSS_AGG_MODES}"),
             (self.filter_metric in FILTER_METRICS, f"filter_metric must be one of {FILTER_METRICS}"),
             (self.report_to in TRACKERS, f"report_to must be one of {tuple(TRACKERS)}"),
-            (
-                not self.device.startswith("cuda") or torch.cuda.is_available(),
-                "device is cuda but no GPU is visible: --device=cpu",
-            ),
+            (not self.device.startswith("cuda") or torch.cuda.is_available(), "device is cuda but no GPU is visible"),
+            (all(isinstance(w, (int, float)) for w in self.reward_weights or []), "reward_weights must be numbers"),
         ]
         errors += [message for ok, message in checks if not ok]
-        if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
-            errors.append("reward_weights must be None or a list of numbers")
         package = TRACKERS.get(self.report_to)
         if package and importlib.util.find_spec(package) is None:
             errors.append(f"report_to={self.report_to!r} needs the {package} package: pip install {package}")
@@ -250,11 +234,11 @@ def paper_preset(max_generate_length):
         filter_metric="correctness",  # paper Eq. (11): keep groups with 0 < |correct| < G
         loss_agg_mode="token-mean",  # paper Eq. (12): token-level policy-gradient loss over the whole step
         overlong_buffer_len=max_generate_length // 5,  # paper Eq. (13): L_cache = 4096 of L_max = 20480
-        steps_per_generation=4,  # paper: 16 mini-batch updates per rollout (512 x 16 responses, 512 each)
+        steps_per_generation=4,  # paper: 16 updates per rollout (512 x 16 responses, mini-batches of 512)
         temperature=1.0,  # verl's recipe samples the policy itself: temperature 1, no top-k, top-p 1
         top_k=0,
         score_with_temperature=True,  # TRL and verl score under the sampling distribution
-        weight_decay=0.1,  # AdamW, verl's DAPO script (the paper: AdamW, constant lr 1e-6)
+        weight_decay=0.1,  # AdamW: verl's DAPO script (the paper: AdamW, constant lr 1e-6)
         warmup_steps=10,  # verl's DAPO script (the paper: linear warm-up over 20 rollout steps)
         max_grad_norm=1.0,  # verl's DAPO script
     )
@@ -269,8 +253,7 @@ def group_advantages(rewards):
     rewards: [B, G] -> advantages [B, G]; std is the unbiased one, as torch.std and the seed. A group whose
     rewards are all equal gets exactly 0: in float32 their mean can differ from them (G = 8 times 0.3).
     """
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True)
+    mean, std = rewards.mean(dim=1, keepdim=True), rewards.std(dim=1, keepdim=True)
     equal = rewards.amax(dim=1, keepdim=True) == rewards.amin(dim=1, keepdim=True)  # [B, 1]
     return ((rewards - mean) / (std + 1e-8)).masked_fill(equal, 0.0)
 
@@ -303,10 +286,9 @@ def soft_overlong_punishment(lengths, max_length, cache_length, penalty_factor=1
 
 
 def response_mask(response_ids, eos_token_ids, generated_length):
-    """1 for each response token up to and including its first EOS, 0 after. [N, T] -> [N, T] long.
+    """1 for each response token up to and including its first EOS (so that the policy learns to stop), 0 after.
 
-    A response without EOS keeps its `generated_length` tokens (it was cut at max_generate_length).
-    The EOS itself is learned: it is how the policy learns to stop.
+    [N, T] -> [N, T] long. A response without EOS keeps its `generated_length` tokens (cut at the budget).
     """
     is_eos = torch.isin(response_ids, torch.tensor(eos_token_ids, device=response_ids.device))
     positions = torch.arange(response_ids.size(1), device=response_ids.device)
@@ -370,18 +352,16 @@ def aggregate_loss(per_token_loss, mask, mode, num_generations, normaliser=None)
         total = per_token_loss.sum()
     else:
         total = (per_token_loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum()
-    if normaliser is None:
-        normaliser = loss_normaliser(mask, mode, num_generations)
+    normaliser = loss_normaliser(mask, mode, num_generations) if normaliser is None else normaliser
     return total / max(normaliser, 1)
 
 
 class SampleKeptTokens(LogitsProcessor):
     """Draw the next token from softmax(scores), looking only at the tokens the warpers kept.
 
-    generate's torch.multinomial walks all 151,936 ids of Qwen's vocabulary (a third of a CPU decode
-    step); over the ~50 that top-k keeps it costs nothing. Same distribution (ties at the top-k
-    boundary included), other random draws. Returns 0 at the drawn token and -inf elsewhere, so that
-    generate's greedy argmax picks it.
+    generate's torch.multinomial walks all 151,936 ids of Qwen's vocabulary (a third of a CPU decode step);
+    over the ~50 that top-k keeps it costs nothing. Same distribution (ties at the top-k boundary included),
+    other random draws. Returns 0 at the drawn token and -inf elsewhere, for generate's greedy argmax.
     """
 
     def __call__(self, input_ids, scores):  # scores: [N, V], -inf where a warper removed a token
@@ -410,10 +390,9 @@ def sampling_processors(temperature, top_k, top_p):
 class SelectiveLogSoftmax(torch.autograd.Function):
     """Row by row: log softmax(x)[label] with its gradient, and the entropy of softmax(x) without one.
 
-    Per row of [T, V] logits, one exp(x - max) buffer gives the logsumexp and, with one more
-    multiply-add, the entropy H = lse - E_p[x]. Backward writes d log p[label] / dx = onehot - softmax(x)
-    straight into the gradient, recomputing softmax from the saved logsumexp. Nothing of size
-    [N, T, V] is kept beyond the logits themselves (autograd's log_softmax would keep its output too).
+    Per row of [T, V] logits, one exp(x - max) buffer gives the logsumexp and, with one more multiply-add,
+    the entropy H = lse - E_p[x]. Backward writes d log p[label] / dx = onehot - softmax(x) straight into
+    the gradient. Nothing of size [N, T, V] is kept beyond the logits (log_softmax would keep its output).
     """
 
     @staticmethod
@@ -450,11 +429,8 @@ class SelectiveLogSoftmax(torch.autograd.Function):
 
 
 def selective_log_softmax(logits, labels):
-    """log softmax(logits)[label] and the entropy, without materialising a [N, T, V] float32 log-softmax.
-
-    logits: [N, T, V] (any float dtype), labels: [N, T] -> (log_probs [N, T], entropy [N, T]), both
-    float32; only log_probs carries a gradient. Peak extra memory is one row's [T, V].
-    """
+    """logits [N, T, V] (any float dtype), labels [N, T] -> (log_probs [N, T], entropy [N, T]), both float32;
+    only log_probs carries a gradient. Peak extra memory is one row's [T, V]."""
     return SelectiveLogSoftmax.apply(logits, labels)
 
 
@@ -462,8 +438,7 @@ def pad_and_cat_groups(groups, pad_token_id):
     """Join groups whose prompts (left-padded) or responses (right-padded) differ in length.
 
     groups: dict of lists, one tensor per group: prompt_response_ids / attention_mask [G, P_i+T_i],
-    action_mask [G, T_i], advantages [G]. Returns dict of [sum G, ...] tensors, prompts left-padded
-    to max P_i and responses right-padded to max T_i.
+    action_mask [G, T_i], advantages [G]. Returns dict of [sum G, ...] tensors, padded to max P_i and T_i.
     """
     num_actions = [mask.size(1) for mask in groups["action_mask"]]
     prompt_lengths = [ids.size(1) - t for ids, t in zip(groups["prompt_response_ids"], num_actions)]
@@ -472,11 +447,8 @@ def pad_and_cat_groups(groups, pad_token_id):
     batch = {}
     for key, tensors in groups.items():
         if key in pads:  # (left, right) padding of the last dimension
-            padded = [
-                F.pad(x, (max_p - p, max_t - t), value=pads[key])
-                for x, p, t in zip(tensors, prompt_lengths, num_actions)
-            ]
-            batch[key] = torch.cat(padded)
+            sizes = zip(tensors, prompt_lengths, num_actions)
+            batch[key] = torch.cat([F.pad(x, (max_p - p, max_t - t), value=pads[key]) for x, p, t in sizes])
         elif key == "advantages":
             batch[key] = torch.cat(tensors)
         else:
@@ -493,8 +465,7 @@ def load_causal_lm(path):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     folder, name = os.path.dirname(path) or ".", os.path.basename(path)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # The weights are plain float32 now; forget the GGUF "quantizer" so that save_pretrained works.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # plain float32 weights now: forget the GGUF "quantizer" so that saving works
     del model.config.quantization_config
     return model
 
@@ -503,12 +474,6 @@ def load_tokenizer(path):
     if path.endswith(".gguf"):
         return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
     return AutoTokenizer.from_pretrained(path)
-
-
-def reward_func_name(reward_func):
-    if isinstance(reward_func, PreTrainedModel):
-        return reward_func.config._name_or_path.rstrip("/").split("/")[-1] or "reward_model"
-    return getattr(reward_func, "__name__", type(reward_func).__name__)
 
 
 @dataclass
@@ -521,7 +486,7 @@ class LoopState:
     rounds: int = 0  # sampling rounds since the last rollout was complete
     skipped_groups: int = 0  # groups dropped by dynamic sampling, whole run
     truncated_prompts: int = 0  # prompts longer than max_prompt_length (cut from the left), whole run
-    buffer: dict = field(default_factory=lambda: {key: [] for key in GROUP_KEYS})  # valid groups not yet trained on
+    buffer: dict = field(default_factory=lambda: {key: [] for key in GROUP_KEYS})  # valid groups not yet trained
     rollout: Optional[list] = None  # the micro-batches being trained on
     updates_done: int = 0  # optimizer steps taken on the rollout
 
@@ -530,10 +495,6 @@ class LoopState:
 
     def load_state_dict(self, state):
         vars(self).update(state)
-
-
-EMPTY_ROUNDS_WARNING = 20  # sampling rounds in a row without a valid group before a warning
-NUM_LOGGED_EXAMPLES = 4  # evaluation problems written to samples.jsonl at each evaluation
 
 
 class NoTrainingStep(RuntimeError):
@@ -547,27 +508,21 @@ def starvation_advice(args):
     )
 
 
+EMPTY_ROUNDS_WARNING = 20  # sampling rounds in a row without a valid group before a warning
+NUM_LOGGED_EXAMPLES = 4  # evaluation problems written to samples.jsonl at each evaluation
+
+
 class DapoTrainer:
     def __init__(
-        self,
-        model=None,
-        reward_funcs: Union[List[str], List[Callable]] = None,
-        args=None,
-        train_dataset: Optional[Dataset] = None,
-        eval_dataset: Optional[Dataset] = None,
-        tokenizer=None,
+        self, model=None, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, tokenizer=None,
         reward_tokenizers=None,
-    ):
-        self.args = args if args is not None else DapoArguments()
-        self.args.validate()  # again: users may have edited fields after construction
-        args = self.args
+    ):  # fmt: skip
+        self.args = args = args if args is not None else DapoArguments()
+        args.validate()  # again: users may have edited fields after construction
         torch.manual_seed(args.seed)
-
-        # Policy in float32: transformers 5 loads a bf16 checkpoint as bf16, where Adam's 1e-6
-        # steps round away. Forward passes may still autocast to bf16 on CUDA (args.bf16).
-        if isinstance(model, str):
-            model = load_causal_lm(model)
-        self.model = model.to(device=args.device, dtype=torch.float32)
+        # Policy in float32: transformers 5 loads a bf16 checkpoint as bf16, where Adam's 1e-6 steps round
+        # away. Forward passes may still autocast to bf16 on CUDA (args.bf16).
+        self.model = (load_causal_lm(model) if isinstance(model, str) else model).to(args.device, torch.float32)
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         if args.device.startswith("cuda"):  # process-wide switches: set both ways
@@ -576,13 +531,12 @@ class DapoTrainer:
         if args.beta != 0.0:  # frozen and only run under autocast: bf16 weights are enough there
             ref_dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
             self.ref_model = deepcopy(self.model).to(ref_dtype).eval().requires_grad_(False)
+        self.tokenizer = self.get_tokenizer(load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer)
+        eos_ids = self.model.generation_config.eos_token_id  # every id that ends a response
+        eos_ids = [] if eos_ids is None else [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
+        self.eos_token_ids = sorted(set(eos_ids) | {self.tokenizer.eos_token_id})
 
-        if isinstance(tokenizer, str):
-            tokenizer = load_tokenizer(tokenizer)
-        self.tokenizer = self.get_tokenizer(tokenizer)
-        self.eos_token_ids = self.get_eos_token_ids()
-
-        self.reward_funcs, self.reward_tokenizers = self.load_reward_funcs(reward_funcs, reward_tokenizers)
+        self.reward_funcs, self.reward_tokenizers = load_reward_models(reward_funcs, reward_tokenizers, args.device)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
         weights = list(args.reward_weights) if args.reward_weights else [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
@@ -598,73 +552,33 @@ class DapoTrainer:
         else:
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr)
         warmup = args.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        )
-        # Sampling is explicit: a model's own generation config (greedy, repetition penalty, ...) must
-        # not change the behaviour policy. generate runs greedy over SampleKeptTokens, which draws.
+        warmup_factor = lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0  # noqa: E731
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor)
+        # Sampling is explicit: a model's own generation config (greedy, repetition penalty, ...) must not
+        # change the behaviour policy. generate runs greedy over SampleKeptTokens, which draws.
         self.logits_processor = sampling_processors(args.temperature, args.top_k, args.top_p)
         self.generation_config = GenerationConfig(
-            do_sample=False,
-            max_new_tokens=args.max_generate_length,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.tokenizer.pad_token_id,
-            bos_token_id=getattr(self.model.generation_config, "bos_token_id", None),
-        )
+            do_sample=False, max_new_tokens=args.max_generate_length, eos_token_id=self.eos_token_ids,
+            pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.model.generation_config.bos_token_id,
+        )  # fmt: skip
 
-        self.train_dataset = train_dataset
-        self.eval_dataset = eval_dataset
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.state = LoopState()
         self.resumed = False
         self.stop_requested = False  # set by Ctrl-C; acted on at the next step end
         self.history = []  # one metrics dict per optimizer step (also written to metrics.jsonl)
         self.last_accuracy = math.nan
-        self.tracker = None
+        self.tracker = make_tracker("none", args.output_dir, None)  # report_to's, from train() on
 
     @property
     def update_steps(self):  # the seed's name
         return self.state.update_steps
 
-    # ---- set-up helpers ----
     def get_tokenizer(self, tokenizer):
         tokenizer.padding_side = "left"  # prompts end at the same column, responses start there
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
-
-    def get_eos_token_ids(self):
-        """Every id that ends a response: the tokenizer's EOS and the model's generation EOS ids."""
-        ids = self.model.generation_config.eos_token_id
-        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-        return sorted(set(ids) | {self.tokenizer.eos_token_id})
-
-    def load_reward_funcs(self, reward_funcs, reward_tokenizers):
-        single = isinstance(reward_funcs, (str, PreTrainedModel)) or callable(reward_funcs)
-        reward_funcs = [reward_funcs] if single else list(reward_funcs or [])
-        if not reward_funcs:
-            raise ValueError("DapoTrainer needs at least one reward function")
-        for i, reward_func in enumerate(reward_funcs):
-            if isinstance(reward_func, str):  # a path to a sequence-classification reward model
-                reward_funcs[i] = AutoModelForSequenceClassification.from_pretrained(reward_func, num_labels=1)
-            if isinstance(reward_funcs[i], PreTrainedModel):
-                reward_funcs[i] = reward_funcs[i].to(self.args.device).eval()
-        if reward_tokenizers is None:
-            reward_tokenizers = [None] * len(reward_funcs)
-        elif isinstance(reward_tokenizers, str) or not isinstance(reward_tokenizers, (list, tuple)):
-            reward_tokenizers = [reward_tokenizers]
-        if len(reward_tokenizers) != len(reward_funcs):
-            raise ValueError("reward_tokenizers must have one entry per reward function")
-        reward_tokenizers = list(reward_tokenizers)
-        for i, (reward_tokenizer, reward_func) in enumerate(zip(reward_tokenizers, reward_funcs)):
-            if isinstance(reward_func, PreTrainedModel):
-                reward_tokenizer = reward_tokenizer or reward_func.config._name_or_path
-                if isinstance(reward_tokenizer, str):
-                    reward_tokenizer = AutoTokenizer.from_pretrained(reward_tokenizer)
-                if reward_tokenizer.pad_token_id is None:
-                    reward_tokenizer.pad_token = reward_tokenizer.eos_token
-                reward_func.config.pad_token_id = reward_tokenizer.pad_token_id
-                reward_tokenizers[i] = reward_tokenizer
-        return reward_funcs, reward_tokenizers
 
     def autocast(self):
         """bf16 autocast for forward passes on CUDA; float32 (a no-op context) elsewhere."""
@@ -679,24 +593,17 @@ class DapoTrainer:
         A prompt longer than max_prompt_length keeps its last tokens: its end is the generation prompt
         (`<|im_start|>assistant`), without which the model would not answer.
         """
-        texts = [
-            self.tokenizer.apply_chat_template(
-                [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-            for prompt in prompts
-        ]
-        # The chat template already holds every special token it needs.
-        token_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        too_long = sum(len(ids) > self.args.max_prompt_length for ids in token_ids)
+        template = self.tokenizer.apply_chat_template
+        messages = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p}] for p in prompts]
+        texts = [template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+        token_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template has its specials
+        limit = self.args.max_prompt_length
+        too_long = sum(len(ids) > limit for ids in token_ids)
         if too_long:
             self.state.truncated_prompts += too_long
-            warnings.warn(
-                f"{self.state.truncated_prompts} prompt(s) so far were longer than max_prompt_length="
-                f"{self.args.max_prompt_length} tokens and lost their beginning"
-            )
-        token_ids = [ids[-self.args.max_prompt_length :] for ids in token_ids]
+            message = f"{self.state.truncated_prompts} prompt(s) so far were longer than max_prompt_length={limit}"
+            warnings.warn(f"{message} tokens and lost their beginning")
+        token_ids = [ids[-limit:] for ids in token_ids]
         width = max(len(ids) for ids in token_ids)
         input_ids = torch.full((len(token_ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(token_ids), width), dtype=torch.long)
@@ -708,16 +615,13 @@ class DapoTrainer:
     @torch.no_grad()
     def sample(self, input_ids, attention_mask):
         """One generate call with this trainer's sampling settings. Returns [N, P+T'], T' <= max_generate_length."""
-        saved_config = self.model.generation_config
-        self.model.generation_config = self.generation_config
+        saved_config, self.model.generation_config = self.model.generation_config, self.generation_config
         try:
             with self.autocast():
                 return self.model.generate(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    generation_config=self.generation_config,
+                    input_ids=input_ids, attention_mask=attention_mask, generation_config=self.generation_config,
                     logits_processor=self.logits_processor,
-                )
+                )  # fmt: skip
         finally:
             self.model.generation_config = saved_config
 
@@ -729,44 +633,41 @@ class DapoTrainer:
         answers = list(inputs["answer"]) if "answer" in inputs else [None] * len(prompts)
         prompt_ids, prompt_mask = self.encode_prompts(prompts)  # [B, P]
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
-        prompt_response_ids = self.sample(prompt_ids, prompt_mask)  # [B*G, P+T]
-        response_ids = prompt_response_ids[:, prompt_ids.size(1) :]  # [B*G, T]
+        response_ids = self.sample(prompt_ids, prompt_mask)[:, prompt_ids.size(1) :]  # [B*G, T]
         action_mask = response_mask(response_ids, self.eos_token_ids, response_ids.size(1))  # [B*G, T]
         response_ids = response_ids.masked_fill(action_mask == 0, self.tokenizer.pad_token_id)
-        prompt_response_ids = torch.cat([prompt_ids, response_ids], dim=1)
-        # From the masks, not from `!= pad_token_id`: a pad token that is also the EOS (SmolLM,
-        # Llama) would otherwise hide the chat template's own end-of-turn tokens.
+        prompt_response_ids = torch.cat([prompt_ids, response_ids], dim=1)  # [B*G, P+T]
+        # From the masks, not from `!= pad_token_id`: a pad token that is also the EOS (SmolLM, Llama) would
+        # otherwise hide the chat template's own end-of-turn tokens.
         attention_mask = torch.cat([prompt_mask, action_mask], dim=1)  # [B*G, P+T]
-        rows = [slice(g * G, (g + 1) * G) for g in range(len(prompts))]
+        groups = [slice(g * G, (g + 1) * G) for g in range(len(prompts))]
         return [
             Samples(
-                prompt_response_ids=prompt_response_ids[r],
-                response_ids=response_ids[r],
-                prompt=prompt,
-                answer=answer,
-                attention_mask=attention_mask[r],
-                action_mask=action_mask[r],
+                prompt_response_ids[g],
+                response_ids[g],
+                prompt,
+                answer,
+                attention_mask[g],
+                action_mask[g],
                 num_actions=response_ids.size(1),
-                response_length=action_mask[r].sum(dim=-1),
-            )
-            for r, prompt, answer in zip(rows, prompts, answers)
+                response_length=action_mask[g].sum(dim=-1),
+            )  # fmt: skip
+            for g, prompt, answer in zip(groups, prompts, answers)
         ]
 
     # ---- 4.2 rewards, advantages, dynamic sampling ----
     @torch.no_grad()
     def score_rewards(self, prompts, responses, answers):
-        """rewards_per_func [N, F] for N responses; NaN where a function returned None."""
+        """rewards_per_func [N, F] for N responses; NaN where a function returned None (no opinion)."""
         columns = []
         for name, reward_func, reward_tokenizer in zip(self.reward_names, self.reward_funcs, self.reward_tokenizers):
-            if isinstance(reward_func, PreTrainedModel):  # scored on prompt + response, with its own tokenizer
-                texts = [p + r for p, r in zip(prompts, responses)]
-                enc = reward_tokenizer(texts, return_tensors="pt", padding=True).to(self.args.device)
-                columns.append(reward_func(**enc).logits[:, 0].float())
+            if reward_tokenizer is not None:  # a reward model, scoring prompt + response
+                columns.append(reward_model_scores(reward_func, reward_tokenizer, prompts, responses))
                 continue
             values = list(reward_func(prompts=prompts, responses=responses, answers=answers))
             if len(values) != len(responses):
                 raise ValueError(f"reward function {name} returned {len(values)} values for {len(responses)} responses")
-            values = [math.nan if v is None else float(v) for v in values]  # None: no opinion
+            values = [math.nan if v is None else float(v) for v in values]
             if any(math.isinf(v) for v in values):
                 raise ValueError(f"reward function {name} returned an infinite reward; return None for no opinion")
             columns.append(torch.tensor(values, dtype=torch.float32, device=self.args.device))
@@ -782,7 +683,6 @@ class DapoTrainer:
         start = time.perf_counter()
         samples_list = self.generate_samples(inputs)
         sampling_time, start = time.perf_counter() - start, time.perf_counter()
-
         prompts = [s.prompt for s in samples_list for _ in range(G)]
         answers = [s.answer for s in samples_list for _ in range(G)]
         decode = self.tokenizer.batch_decode
@@ -792,13 +692,11 @@ class DapoTrainer:
             [is_truncated(s.response_ids, s.response_length, self.eos_token_ids) for s in samples_list]
         )
         rewards_per_func = self.score_rewards(prompts, responses, answers)  # [B*G, F]
-        # A None reward contributes nothing: NaNs are skipped by the weighted sum.
-        rewards = (rewards_per_func * self.reward_weights).nansum(dim=1)  # [B*G]
+        rewards = (rewards_per_func * self.reward_weights).nansum(dim=1)  # [B*G]; None rewards add nothing
         metrics = defaultdict(list)
-        if args.overlong_buffer_len > 0:  # Eq. (13): part of the reward, its scale is its own factor
-            penalty = soft_overlong_punishment(
-                lengths, args.max_generate_length, args.overlong_buffer_len, args.overlong_penalty_factor
-            )
+        if args.overlong_buffer_len > 0:  # Eq. (13): part of the reward; its scale is its own factor
+            length_args = (args.max_generate_length, args.overlong_buffer_len, args.overlong_penalty_factor)
+            penalty = soft_overlong_punishment(lengths, *length_args)  # [B*G]
             rewards = rewards + penalty
             metrics["rewards/soft_overlong_punishment"] = penalty.tolist()
         rewards = rewards.view(-1, G)  # [B, G]
@@ -810,31 +708,26 @@ class DapoTrainer:
         self.state.skipped_groups += int((~keep).sum())
 
         experiences = {key: [] for key in GROUP_KEYS}
-        for samples, group_advantages_, group_truncated, kept in zip(
+        for samples, group_advantage, group_truncated, kept in zip(
             samples_list, advantages, truncated.view(-1, G), keep
         ):
-            if not kept:
-                continue
-            action_mask = samples.action_mask  # [G, T]
-            if args.overlong_filter:  # a response cut off by the length budget says nothing about its answer
-                action_mask = action_mask * ~group_truncated.unsqueeze(1)
-            experiences["prompt_response_ids"].append(samples.prompt_response_ids)
-            experiences["attention_mask"].append(samples.attention_mask)
-            experiences["action_mask"].append(action_mask)
-            experiences["advantages"].append(group_advantages_)
-
-        metrics["time/sampling"].append(sampling_time)
-        metrics["time/reward"].append(time.perf_counter() - start)
-        metrics["reward"] = rewards.flatten().tolist()
-        for name, column in zip(self.reward_names, rewards_per_func.T):
-            metrics[f"rewards/{name}"] = column.tolist()
-        metrics["reward_std"] = rewards.std(dim=1).tolist()
+            if kept:
+                action_mask = samples.action_mask  # [G, T]
+                if args.overlong_filter:  # a response cut off by the length budget says nothing about its answer
+                    action_mask = action_mask * ~group_truncated.unsqueeze(1)
+                group = (samples.prompt_response_ids, samples.attention_mask, action_mask, group_advantage)
+                for key, value in zip(GROUP_KEYS, group):
+                    experiences[key].append(value)
+        metrics.update({"time/sampling": [sampling_time], "time/reward": [time.perf_counter() - start]})
+        metrics.update(
+            {f"rewards/{name}": column.tolist() for name, column in zip(self.reward_names, rewards_per_func.T)}
+        )
+        metrics.update(reward=rewards.flatten().tolist(), reward_std=rewards.std(dim=1).tolist())
         metrics["frac_reward_zero_std"] = (rewards.std(dim=1) == 0).float().tolist()
         metrics["frac_groups_skipped"] = (~keep).float().tolist()
         metrics["completions/length"] = lengths.tolist()
         metrics["completions/clipped_ratio"] = truncated.float().tolist()
-        experiences["metrics"] = metrics
-        return experiences
+        return experiences | {"metrics": metrics}
 
     @torch.no_grad()
     def make_micro_batches(self, groups):
@@ -842,7 +735,7 @@ class DapoTrainer:
         longest prompt and response. pi_old's and pi_ref's log-probs are taken here, once, on exactly the
         tensors the training passes will see."""
         args, B = self.args, self.args.batch_size
-        reused = args.num_iterations > 1 or args.steps_per_generation > 1  # else pi_old = pi_theta, ratio 1
+        reused = args.num_iterations > 1 or args.steps_per_generation > 1  # else pi_old = pi_theta: ratio 1
         micro_batches = []
         for first in range(0, len(groups["advantages"]), B):
             inputs = pad_and_cat_groups(
@@ -865,11 +758,10 @@ class DapoTrainer:
     def compute_loss(self, model, inputs, normaliser=None, return_metrics=False):
         """DAPO policy-gradient loss of one micro-batch (Eqs. 10 and 12, plus beta * k3 when beta > 0).
 
-        normaliser: the optimizer step's loss denominator (see aggregate_loss); None = this micro-batch
-        is the whole step. With return_metrics, also returns the micro-batch's diagnostics.
+        normaliser: the optimizer step's loss denominator (see aggregate_loss); None = this micro-batch is
+        the whole step. With return_metrics, also returns the micro-batch's diagnostics.
         """
-        args = self.args
-        action_mask = inputs["action_mask"]  # [N, T]
+        args, action_mask = self.args, inputs["action_mask"]  # [N, T]
         log_probs, entropy = self.get_action_log_probs(model, *self.model_inputs(inputs), with_entropy=True)
         old_log_probs = inputs["old_action_log_probs"]
         old_log_probs = log_probs.detach() if old_log_probs is None else old_log_probs
@@ -883,8 +775,7 @@ class DapoTrainer:
         loss = aggregate_loss(per_token_loss, action_mask, args.loss_agg_mode, args.num_generations, normaliser)
         if not return_metrics:
             return loss
-        metrics = {}
-        mask = action_mask.bool()
+        metrics, mask = {}, action_mask.bool()
         if mask.any():  # diagnostics over the micro-batch's response tokens (none if all were filtered out)
             with torch.no_grad():
                 A = advantages.unsqueeze(1).expand_as(ratio)
@@ -901,22 +792,21 @@ class DapoTrainer:
     def get_action_log_probs(self, model, input_ids, attention_mask, num_actions, with_entropy=False):
         """log pi(o_t | q, o_<t) of the last num_actions tokens: [N, T] (and the entropy [N, T]).
 
-        Logits at position t predict token t+1, so the T positions before the last score the T
-        response tokens; only their logits are computed (`logits_to_keep` as indices). Position ids
-        follow the attention mask, as in generate, so left padding does not shift them.
+        Logits at position t predict token t+1, so the T positions before the last score the T response
+        tokens; only their logits are computed. Position ids follow the attention mask, as in generate.
         """
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
         width = input_ids.size(1)
         keep = torch.arange(width - num_actions - 1, width - 1, device=input_ids.device)
         with self.autocast():
-            outputs = model(
+            out = model(
                 input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 logits_to_keep=keep,
                 use_cache=False,
             )
-        logits = outputs.logits  # [N, T, V]
+        logits = out.logits  # [N, T, V]
         if self.args.score_with_temperature:  # the distribution that sampled (TRL, verl)
             logits = logits / self.args.temperature
         log_probs, entropy = selective_log_softmax(logits, input_ids[:, -num_actions:])  # [N, T] each
@@ -929,7 +819,7 @@ class DapoTrainer:
         loss, metrics = self.compute_loss(model, inputs, normaliser, return_metrics=True)
         loss.backward()
         num_tokens = int(inputs["action_mask"].sum())
-        return {**metrics, "loss": loss.item(), "num_tokens": num_tokens, "time/training": time.perf_counter() - start}
+        return metrics | {"loss": loss.item(), "num_tokens": num_tokens, "time/training": time.perf_counter() - start}
 
     # ---- 4.6 Algorithm 1 ----
     def train(self):
@@ -937,28 +827,27 @@ class DapoTrainer:
         args, state = self.args, self.state
         G, accumulation = args.num_generations, args.gradient_accumulation_steps
         groups_per_rollout = args.batch_size * accumulation * args.steps_per_generation
-        self.global_steps = args.num_iterations * args.epoch * len(self.train_dataset) // groups_per_rollout
-        if args.max_steps:
-            self.global_steps = min(self.global_steps, args.max_steps)
-        self.tracker = make_tracker(args.report_to, args.output_dir, dataclasses.asdict(args))
-        if args.max_steps and state.update_steps >= args.max_steps:
-            tqdm.write(f"already at max_steps={args.max_steps}: nothing to train (raise --max_steps to go on)")
+        self.global_steps = (
+            args.num_iterations * args.epoch * len(self.train_dataset) // (args.batch_size * accumulation)
+        )
+        self.global_steps = min(self.global_steps, args.max_steps or self.global_steps)
+        if state.update_steps >= self.global_steps:
+            tqdm.write(
+                f"already at step {state.update_steps} of {self.global_steps}: nothing to train (raise --max_steps)"
+            )
             return
+        self.tracker = make_tracker(args.report_to, args.output_dir, dataclasses.asdict(args))
         if not self.resumed:  # a resumed run evaluated before its checkpoint
             self.evaluate_and_log()
         start_steps, self.empty_rounds = state.update_steps, 0
         metrics = defaultdict(list)  # what this optimizer step gathered
-        bar = dict(total=self.global_steps, initial=state.update_steps, desc="DAPO", unit="step", dynamic_ncols=True)
-        with (
-            tqdm(**bar, mininterval=1.0) as self.progress,
-            self.deferred_interrupts(),
-            contextlib.closing(self.tracker),
-        ):
+        bar = tqdm(total=self.global_steps, initial=state.update_steps, desc="DAPO", unit="step", dynamic_ncols=True)
+        with bar as self.progress, self.deferred_interrupts(), contextlib.closing(self.tracker):
             batches = self.prompt_batches()
-            while not (args.max_steps and state.update_steps >= args.max_steps):
+            while state.update_steps < self.global_steps:
                 if state.rollout is None:
-                    # 1. Sample G responses per prompt, score them, drop the groups without signal
-                    #    (dynamic sampling), and buffer the rest until the step's groups are there.
+                    # 1. Sample G responses per prompt, score them, drop the groups without signal (dynamic
+                    #    sampling), and buffer the rest until the rollout's groups are there.
                     batch = next(batches, None)
                     if batch is None:
                         break
@@ -972,6 +861,7 @@ class DapoTrainer:
                     if len(state.buffer["advantages"]) < groups_per_rollout:
                         self.check_rounds()
                         continue
+                    # 2. The rollout: micro-batches of batch_size groups, with pi_old's and pi_ref's log-probs.
                     start = time.perf_counter()
                     rollout = {key: state.buffer[key][:groups_per_rollout] for key in GROUP_KEYS}
                     state.buffer = {key: state.buffer[key][groups_per_rollout:] for key in GROUP_KEYS}
@@ -980,16 +870,15 @@ class DapoTrainer:
                     metrics["num_gen_batches"].append(state.rounds)
                     state.rounds = 0
 
-                # 2. One optimizer step: gradient accumulation over its slice of the rollout's micro-batches.
+                # 3. One optimizer step: gradient accumulation over its slice of the rollout's micro-batches
+                #    (num_iterations passes over steps_per_generation slices).
                 first = state.updates_done % args.steps_per_generation * accumulation
                 micro_batches = state.rollout[first : first + accumulation]
                 normaliser = sum(loss_normaliser(m["action_mask"], args.loss_agg_mode, G) for m in micro_batches)
                 self.model.train()
-                losses = []
                 for inputs in micro_batches:
                     for key, value in self.train_step(self.model, inputs, normaliser).items():
                         metrics[key].append(value)
-                    losses.append(metrics["loss"][-1])
                 max_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
                 metrics["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
                 metrics["learning_rate"].append(self.optimizer.param_groups[0]["lr"])
@@ -1001,8 +890,8 @@ class DapoTrainer:
                 if state.updates_done == args.num_iterations * args.steps_per_generation:
                     state.rollout = None
 
-                # 3. Step end: log, evaluate, save, stop.
-                for loss in losses:  # the seed's file: one line per micro-step, numbered by the steps before it
+                # 4. Step end: evaluate, log, save, stop.
+                for loss in metrics["loss"]:  # the seed's file: a line per micro-step, numbered by the steps before
                     self.append_line("training_losses.txt", f"{state.update_steps - 1},{loss:.8f}")
                 if state.update_steps % args.eval_steps == 0:
                     self.evaluate_and_log()
@@ -1036,7 +925,7 @@ class DapoTrainer:
             state.buffer = {key: [] for key in GROUP_KEYS}
 
     def check_rounds(self):
-        """Dynamic sampling that keeps too few groups: warn once after EMPTY_ROUNDS_WARNING rounds in a row that
+        """Dynamic sampling that keeps too few groups: warn after EMPTY_ROUNDS_WARNING rounds in a row that
         kept none; give up after max_num_gen_batches rounds for one step. Both say the rule and the fix."""
         args, state = self.args, self.state
         if self.empty_rounds == EMPTY_ROUNDS_WARNING:
@@ -1096,31 +985,24 @@ class DapoTrainer:
         self.history.append(record)
         self.append_line("metrics.jsonl", json.dumps(record, ensure_ascii=False))
         self.tracker.log(record)
-        self.progress.set_postfix(
-            loss=f"{record['loss']:.4f}",
-            reward=f"{record.get('reward', math.nan):.3f}",
-            skipped=f"{record.get('frac_groups_skipped', 0.0):.2f}",
-            acc=f"{self.last_accuracy:.2f}",
-            refresh=False,
-        )
+        postfix = dict(loss=f"{record['loss']:.4f}", reward=f"{record.get('reward', math.nan):.3f}")
+        postfix.update(skipped=f"{record.get('frac_groups_skipped', 0.0):.2f}", acc=f"{self.last_accuracy:.2f}")
+        self.progress.set_postfix(postfix, refresh=False)
         self.progress.update(1)
 
     def evaluate_and_log(self):
         """Evaluate; append to accuracy_losses.txt and samples.jsonl; redraw curves.png."""
-        self.last_accuracy, examples = self.evaluate(
-            self.args.eval_samples, self.args.eval_batch_size, return_examples=True
-        )
-        step = self.state.update_steps
+        args, step = self.args, self.state.update_steps
+        self.last_accuracy, examples = self.evaluate(args.eval_samples, args.eval_batch_size, return_examples=True)
         tqdm.write(f"step {step}: accuracy {self.last_accuracy:.2f}")
         self.append_line("accuracy_losses.txt", f"{step},{self.last_accuracy:.2f}")
         for example in examples:
             self.append_line("samples.jsonl", json.dumps({"step": step, **example}, ensure_ascii=False))
-        if self.tracker is not None:
-            self.tracker.log({"step": step, "eval/accuracy": self.last_accuracy})
+        self.tracker.log({"step": step, "eval/accuracy": self.last_accuracy})
         try:  # a picture must never end a run
             from curves import plot_curves
 
-            plot_curves(self.args.output_dir)
+            plot_curves(args.output_dir)
         except Exception as error:  # noqa: BLE001
             warnings.warn(f"could not draw curves.png: {error!r}")
         return self.last_accuracy
@@ -1128,15 +1010,12 @@ class DapoTrainer:
     # ---- 4.8 evaluation ----
     @torch.no_grad()
     def evaluate(self, num_samples=100, batch_size=20, return_examples=False):
-        """Accuracy of one sampled answer per problem on num_samples random test problems.
-
-        With return_examples, also the first few problems with their responses and rewards.
-        """
+        """Accuracy of one sampled answer per problem on num_samples random test problems (a small eval set is
+        used whole). With return_examples, also the first few problems with their responses and rewards."""
+        eval_subset = self.eval_dataset
         if len(self.eval_dataset) > num_samples:
             indices = torch.randperm(len(self.eval_dataset))[:num_samples].tolist()
             eval_subset = torch.utils.data.Subset(self.eval_dataset, indices)
-        else:  # a small eval set is used whole
-            eval_subset = self.eval_dataset
         self.model.eval()
         correct_count, total_count, examples = 0, 0, []
         for batch in DataLoader(eval_subset, batch_size=batch_size, shuffle=False):
@@ -1144,9 +1023,8 @@ class DapoTrainer:
             # Responses start right after the padded prompt, at the same column for every row.
             response_ids = self.sample(input_ids, attention_mask)[:, input_ids.size(1) :]
             responses = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-            for response, answer in zip(responses, batch["answer"]):
-                correct_count += is_correct(response, answer)  # the same comparison as correctness_reward
-                total_count += 1
+            correct_count += sum(is_correct(r, a) for r, a in zip(responses, batch["answer"]))  # as correctness_reward
+            total_count += len(responses)
             if return_examples and len(examples) < NUM_LOGGED_EXAMPLES:
                 examples += self.describe_examples(batch, responses)[: NUM_LOGGED_EXAMPLES - len(examples)]
         self.model.train()
@@ -1164,11 +1042,10 @@ class DapoTrainer:
                 "extracted_answer": extract_answer(response),
                 "answer": normalize_answer(answer),
                 "rewards": {name: None if math.isnan(v) else v for name, v in zip(self.reward_names, row.tolist())},
-            }
+            }  # fmt: skip
             for prompt, response, answer, row in zip(batch["prompt"], responses, answers, rewards)
         ]
 
-    # ---- 4.9 checkpoints and resuming ----
     def save_model(self):
         self.model.save_pretrained(self.args.output_dir)
         self.tokenizer.save_pretrained(self.args.output_dir)
@@ -1177,32 +1054,7 @@ class DapoTrainer:
 # ============================================================
 # 5. Entry point
 # ============================================================
-def parse_cli(argv=None):
-    """DapoArguments fields as `--field=value` (lists as `1,0.5`), plus --demo, --preset, --resume, --plot.
-
-    Returns (the extra options, {field: value} for the fields given on the command line).
-    """
-    parser = HfArgumentParser(DapoArguments, description="DAPO training on GSM8K (Chinese).", allow_abbrev=False)
-    parser.add_argument("--demo", action="store_true", help="train a tiny built-in world on CPU (no download)")
-    parser.add_argument(
-        "--preset",
-        choices=["seed", "paper"],
-        default="seed",
-        help="seed: the notes' settings; paper: DAPO as in the paper",
-    )
-    parser.add_argument("--resume", metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest'")
-    parser.add_argument("--plot", metavar="DIR", help="draw DIR/curves.png from an existing output folder, then exit")
-    fields = [f.name for f in dataclasses.fields(DapoArguments)]
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for i, token in enumerate(argv):  # `--reward_weights=1,0.5` -> `--reward_weights 1 0.5`
-        if token.startswith("--reward_weights="):
-            argv[i : i + 1] = ["--reward_weights", *token.split("=", 1)[1].split(",")]
-    # Fields left at this sentinel were not given, so that presets and checkpoints can fill them.
-    namespace = parser.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(fields, dataclasses.MISSING)))
-    overrides = {
-        name: getattr(namespace, name) for name in fields if getattr(namespace, name) is not dataclasses.MISSING
-    }
-    return namespace, overrides
+SEED_REWARD_FUNCS = [correctness_reward, digit_reward, hard_format_reward, mark_reward]
 
 
 def build_args(preset, overrides):
@@ -1213,75 +1065,23 @@ def build_args(preset, overrides):
     return DapoArguments(**overrides)
 
 
-def missing_inputs_message(args):
-    return f"Model folder {args.model_path!r} or data set folder {args.data_path!r} not found.\n" + download_help(args)
-
-
-def download_help(args):
-    return (
-        "Download them first (about 3 GB and 5 MB; `hf` comes with huggingface_hub):\n"
-        f"  hf download Qwen/Qwen2.5-1.5B-Instruct --local-dir {args.model_path}\n"
-        f"  hf download swulling/gsm8k_chinese --repo-type dataset --local-dir {args.data_path}\n"
-        "or from ModelScope:\n"
-        f"  modelscope download --model Qwen/Qwen2.5-1.5B-Instruct --local_dir {args.model_path}\n"
-        f"  modelscope download --dataset swulling/gsm8k_chinese --local_dir {args.data_path}\n"
-        "(gsm8k_chinese has 7,473 train and 1,319 test rows.) Or point --model_path/--data_path at them.\n"
-        "To see the trainer work without any download, run: python train.py --demo"
-    )
-
-
-SEED_REWARD_FUNCS = [correctness_reward, digit_reward, hard_format_reward, mark_reward]
-
-
 def build_trainer(args):
     """The seed's run: policy and tokenizer from model_path, GSM8K from data_path, the four rewards."""
     tokenizer = load_tokenizer(args.model_path)
-    return DapoTrainer(
-        model=load_causal_lm(args.model_path),
-        reward_funcs=list(SEED_REWARD_FUNCS),
-        args=args,
-        train_dataset=GSM8KDataset(args.data_path, tokenizer, split="train"),
-        eval_dataset=GSM8KDataset(args.data_path, tokenizer, split="test"),
-        tokenizer=tokenizer,
-    )
-
-
-def check_before_loading(args, fresh):
-    """What can be checked before a model loads: input folders, output_dir, the reward weights."""
-    if not os.path.exists(args.model_path) or not os.path.isdir(args.data_path):
-        sys.exit(missing_inputs_message(args))
-    if os.path.isdir(args.model_path) and not os.path.isfile(os.path.join(args.model_path, "config.json")):
-        sys.exit(
-            f"error: model folder {args.model_path!r} has no config.json (an interrupted download?)\n"
-            + download_help(args)
-        )
-    if args.reward_weights is not None and len(args.reward_weights) != len(SEED_REWARD_FUNCS):
-        sys.exit(
-            f"error: reward_weights has {len(args.reward_weights)} entries for {len(SEED_REWARD_FUNCS)} reward functions"
-        )
-    try:
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, ".write_test"), "w"):
-            pass
-        os.remove(os.path.join(args.output_dir, ".write_test"))
-    except OSError as error:
-        sys.exit(
-            f"error: cannot write to output_dir {args.output_dir!r} ({error.strerror}): choose another --output_dir"
-        )
-    if fresh and find_checkpoints(args.output_dir):  # --resume=latest must never pick up another run's
-        sys.exit(
-            f"error: {args.output_dir!r} holds checkpoints of an earlier run (checkpoint_{max(find_checkpoints(args.output_dir))}): "
-            "continue it with --resume=latest, or start this one in another --output_dir"
-        )
+    train_dataset = GSM8KDataset(args.data_path, tokenizer, split="train")
+    eval_dataset = GSM8KDataset(args.data_path, tokenizer, split="test")
+    model = load_causal_lm(args.model_path)
+    return DapoTrainer(model, list(SEED_REWARD_FUNCS), args, train_dataset, eval_dataset, tokenizer)
 
 
 def main(argv=None):
-    cli, overrides = parse_cli(argv)
+    from cli import check_before_loading, parse_cli
+
+    cli, overrides = parse_cli(DapoArguments, argv)
     if cli.plot:
         from curves import plot_curves
 
-        print(f"wrote {plot_curves(cli.plot)}")
-        return None
+        return print(f"wrote {plot_curves(cli.plot)}")
     if cli.demo:  # the tiny world's settings, under anything given on the command line
         import tiny_world
 
@@ -1295,25 +1095,24 @@ def main(argv=None):
         args = build_args(cli.preset, overrides)
     except ValueError as error:
         sys.exit(f"error: {error}")
-    if cli.demo and checkpoint is None:  # a new world in a clean folder: the demo owns output_dir
+    if cli.demo and checkpoint is None:  # a new world in a clean folder: the demo owns its output_dir
         for name in [*LOG_FILES, *(f"checkpoint_{step}" for step in find_checkpoints(args.output_dir))]:
             path = os.path.join(args.output_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
-        world = tiny_world.build_tiny_world(args.output_dir, SYSTEM_PROMPT, warm_up_steps=warm_up_steps)
-        args.model_path, args.data_path = world
-    check_before_loading(args, fresh=checkpoint is None)
+        args.model_path, args.data_path = tiny_world.build_tiny_world(
+            args.output_dir, SYSTEM_PROMPT, warm_up_steps=warm_up_steps
+        )
+    fresh_run_checkpoints = find_checkpoints(args.output_dir) if checkpoint is None else []
+    check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run_checkpoints)
     trainer = build_trainer(args)
-    if checkpoint:
-        try:
-            resume(trainer, checkpoint)
-        except ValueError as error:
-            sys.exit(f"error: {error}")
     try:
+        if checkpoint:
+            resume(trainer, checkpoint)
         trainer.train()
+    except (ValueError, NoTrainingStep) as error:  # a refused resume, a run that never stepped
+        sys.exit(f"error: {error}")
     except KeyboardInterrupt:  # train() saved a checkpoint and said how to resume
         sys.exit(130)
-    except NoTrainingStep as error:
-        sys.exit(f"error: {error}")
     trainer.save_model()
     if cli.demo:
         print(tiny_world.demo_summary(trainer.history, args.output_dir))

@@ -39,7 +39,7 @@ def test_resume_at_max_steps_trains_no_further(world, tmp_path, capsys):
     main(run_args(world, out, "--max_steps=2", "--save_steps=2", "--eval_steps=100"))
     trainer = main(["--resume=latest", f"--output_dir={out}"])
     assert trainer.update_steps == 2 and steps_in(out) == [1, 2]
-    assert "already at max_steps=2" in capsys.readouterr().out
+    assert "already at step 2 of 2: nothing to train" in capsys.readouterr().out
     more = main(["--resume=latest", f"--output_dir={out}", "--max_steps=3"])
     assert more.update_steps == 3 and steps_in(out) == [1, 2, 3]
 
