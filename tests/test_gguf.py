@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from checkpoints import save_checkpoint
 from conftest import SEED_REWARDS
-from train import DapoArguments, DapoTrainer
+from train import GROUP_KEYS, DapoArguments, DapoTrainer
 from tiny_world import make_problems
 
 
@@ -67,17 +68,21 @@ def test_generate_experiences_and_evaluate(trainer):
     torch.manual_seed(1)
     rows = [trainer.train_dataset[i] for i in range(3)]
     exp = trainer.generate_experiences({"prompt": [r["prompt"] for r in rows], "answer": torch.tensor([r["answer"] for r in rows])})
-    for key in ("prompt_response_ids", "attention_mask", "action_mask", "old_action_log_probs", "advantages"):
+    for key in GROUP_KEYS:
         assert len(exp[key]) == len(exp["advantages"])
-    for adv, old, mask in zip(exp["advantages"], exp["old_action_log_probs"], exp["action_mask"]):
-        assert adv.shape == (2,) and adv.count_nonzero() > 0 and old.shape == mask.shape
-    assert len(trainer.metrics["reward"]) == 6 and trainer.skipped_groups + len(exp["advantages"]) == 3
+    for adv in exp["advantages"]:
+        assert adv.shape == (2,) and adv.count_nonzero() > 0
+    assert len(exp["metrics"]["reward"]) == 6 and trainer.state.skipped_groups + len(exp["advantages"]) == 3
+    if exp["advantages"]:  # num_iterations=2: each micro-batch carries the old log-probs of its groups
+        for inputs in trainer.make_micro_batches({key: exp[key] for key in GROUP_KEYS}):
+            assert inputs["old_action_log_probs"].shape == inputs["action_mask"].shape
+            assert inputs["old_action_log_probs"][inputs["action_mask"].bool()].max() <= 0
     accuracy = trainer.evaluate(num_samples=3, batch_size=3)
     assert 0.0 <= accuracy <= 1.0
 
 
 def test_checkpoint_of_a_gguf_model_reloads(trainer):
-    path = trainer.save_checkpoint()
+    path = save_checkpoint(trainer)
     reloaded = AutoModelForCausalLM.from_pretrained(path)
     name, value = next(iter(trainer.model.state_dict().items()))
     assert torch.equal(reloaded.state_dict()[name], value)

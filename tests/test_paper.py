@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from conftest import SEED_REWARDS, make_batch, scripted_sampler, stub_log_probs, token_ids
+from conftest import SEED_REWARDS, as_micro_batch, make_batch, scripted_sampler, stub_log_probs, token_ids
 from reward_func import correctness_reward as real_correctness_reward
-from train import DapoArguments, aggregate_loss, build_args, keep_groups, main, pad_and_cat_groups, paper_preset, parse_cli
+from train import DapoArguments, aggregate_loss, build_args, keep_groups, loss_normaliser, main, paper_preset, parse_cli
+from train import soft_overlong_punishment
 
 # Several tests replace optimizer.step to capture gradients; the LR scheduler warns about that.
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
@@ -34,10 +35,6 @@ def varied(prompts, responses, answers):
 
 def constant(prompts, responses, answers):
     return [1.0] * len(responses)
-
-
-def cat_experiences(*experiences):
-    return {key: None if experiences[0][key] is None else [x for e in experiences for x in e[key]] for key in experiences[0]}
 
 
 # ---------- 1. loss aggregation, Eq. (12) ----------
@@ -65,36 +62,39 @@ def test_aggregate_loss_three_modes_by_hand():
     assert agg("seq-mean-token-mean") == pytest.approx(SEQ_MEAN_LOSS, abs=1e-6)
     # The three really differ on these inputs (unequal lengths within and across groups).
     assert min(abs(SEED_LOSS - TOKEN_MEAN_LOSS), abs(SEED_LOSS - SEQ_MEAN_LOSS), abs(TOKEN_MEAN_LOSS - SEQ_MEAN_LOSS)) > 0.08  # 0.098, 0.083, 0.182
-    # Inside a step of 2 micro-batches holding 25 tokens in all: 20 / 25 * 2 = 1.6 (the trainer then halves it).
-    assert agg("token-mean", num_step_tokens=25, num_micro_steps=2) == pytest.approx(1.6, abs=1e-6)
-    # num_step_tokens = this micro-batch's 11 tokens and one micro-step: the micro-batch mean again.
-    assert agg("token-mean", num_step_tokens=11, num_micro_steps=1) == pytest.approx(TOKEN_MEAN_LOSS, abs=1e-6)
-    # Fully masked: 0 (not NaN) in every mode.
+    # A micro-batch's units: 11 tokens, 4 responses, 2 groups.
+    assert [loss_normaliser(AGG_MASK, mode, 2) for mode in ("token-mean", "seq-mean-token-mean", "seed")] == [11, 4, 2]
+    # Its share of a step whose micro-batches hold 25 tokens in all: 20 / 25 = 0.8.
+    assert agg("token-mean", normaliser=25) == pytest.approx(0.8, abs=1e-6)
+    # normaliser = this micro-batch's own 11 tokens: the micro-batch mean again.
+    assert agg("token-mean", normaliser=11) == pytest.approx(TOKEN_MEAN_LOSS, abs=1e-6)
+    # seed in a step of 2 such micro-batches (4 groups): (3 + 5/6) / 4 = 23/24 = SEED_LOSS / 2, the old mean / GA
+    assert agg("seed", normaliser=4) == pytest.approx(23 / 24, abs=1e-6) == pytest.approx(SEED_LOSS / 2, abs=1e-6)
+    # seq-mean-token-mean in a step of 8 responses: (2.5 + 5 - 1.5 + 2) / 8 = 1.0
+    assert agg("seq-mean-token-mean", normaliser=8) == pytest.approx(1.0, abs=1e-6)
+    # Fully masked: 0 (not NaN) in every mode, also when the step has no unit at all.
     for mode in ("seed", "token-mean", "seq-mean-token-mean"):
         assert aggregate_loss(PER_TOKEN, torch.zeros_like(AGG_MASK), mode, num_generations=2).item() == 0.0
-        assert aggregate_loss(PER_TOKEN, torch.zeros_like(AGG_MASK), mode, 2, num_step_tokens=0, num_micro_steps=2).item() == 0.0
+        assert aggregate_loss(PER_TOKEN, torch.zeros_like(AGG_MASK), mode, 2, normaliser=0).item() == 0.0
 
 
 # ---------- 2. token-mean under gradient accumulation ----------
-def step_gradients(trainer, micro_batches, num_step_tokens):
-    """Run the real train_step over micro_batches; return every parameter's .grad at optimizer.step time.
+def step_normaliser(trainer, micro_batches):
+    """The loss denominator the trainer gives every micro-batch of a step: the sum of their units."""
+    args = trainer.args
+    return sum(loss_normaliser(m["action_mask"], args.loss_agg_mode, args.num_generations) for m in micro_batches)
 
-    optimizer.step is replaced by a capture, so the model never changes and can be reused.
+
+def step_gradients(trainer, micro_batches, normalisers):
+    """Run the real train_step over micro_batches (one normaliser each); return the accumulated .grad.
+
+    train_step only accumulates gradients, so the model never changes and can be reused.
     """
-    trainer.args.gradient_accumulation_steps = len(micro_batches)
-    captured = {}
-
-    def capture(*args, **kwargs):
-        captured.update({name: p.grad.detach().clone() for name, p in trainer.model.named_parameters()})
-
-    trainer.optimizer.step = capture
-    for step, batch in enumerate(micro_batches):
-        inputs = dict(batch)
-        if num_step_tokens is not None:
-            inputs["num_step_tokens"] = num_step_tokens
-        trainer.train_step(trainer.model, inputs, trainer.optimizer, step)
-    assert captured, "the optimizer did not step"
-    assert all(p.grad is None or not p.grad.any() for p in trainer.model.parameters())  # zero_grad ran
+    trainer.optimizer.zero_grad()
+    for inputs, normaliser in zip(micro_batches, normalisers, strict=True):
+        trainer.train_step(trainer.model, inputs, normaliser)
+    captured = {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.optimizer.zero_grad()
     return captured
 
 
@@ -110,25 +110,27 @@ def test_token_mean_gradient_is_independent_of_accumulation(make_trainer):
     first = trainer.generate_experiences(make_batch(trainer, offset=0))
     scripted_sampler(trainer, [[y] * 8, [y, x, eos]])
     second = trainer.generate_experiences(make_batch(trainer, offset=3))
-    micro = [pad_and_cat_groups(e, trainer.tokenizer.pad_token_id) for e in (first, second)]
+    micro = [as_micro_batch(trainer, e) for e in (first, second)]
     assert [int(m["action_mask"].sum()) for m in micro] == [7, 11]
     assert micro[0]["prompt_response_ids"].shape != micro[1]["prompt_response_ids"].shape  # padding really differs
-    big = pad_and_cat_groups(cat_experiences(first, second), trainer.tokenizer.pad_token_id)
+    big = as_micro_batch(trainer, first, second)
     before = [p.detach().clone() for p in trainer.model.parameters()]
+    assert step_normaliser(trainer, micro) == step_normaliser(trainer, [big]) == 18  # the step's 7 + 11 tokens
 
-    accumulated = step_gradients(trainer, micro, num_step_tokens=18)  # GA=2, each micro-batch: sum / 18 * 2 / 2
-    one_batch = step_gradients(trainer, [big], num_step_tokens=18)  # GA=1: sum / 18
+    accumulated = step_gradients(trainer, micro, [18, 18])  # GA=2, each micro-batch: its sum / 18
+    one_batch = step_gradients(trainer, [big], [18])  # GA=1: sum / 18
     scale = max(g.abs().max().item() for g in one_batch.values())
     assert scale > 1e-3  # a real gradient
     assert max_difference(accumulated, one_batch) < 1e-6
 
     # The same comparison fails for a loss that is not the step's token mean:
-    # per-micro-batch token means (no num_step_tokens): 1/2 * (sum_1 / 7 + sum_2 / 11) != (sum_1 + sum_2) / 18
-    per_micro_mean = step_gradients(trainer, micro, num_step_tokens=None)
+    # per-micro-batch token means, averaged: 1/2 * (sum_1 / 7 + sum_2 / 11) != (sum_1 + sum_2) / 18
+    per_micro_mean = step_gradients(trainer, micro, [2 * 7, 2 * 11])
     assert max_difference(per_micro_mean, one_batch) > 1e-3 * scale
     # the seed's per-group token mean, accumulated the same way: 1/2 * (sum_1 / 7 + sum_2 / 11) again
     trainer.args.loss_agg_mode = "seed"
-    seed_accumulated = step_gradients(trainer, micro, num_step_tokens=18)
+    assert step_normaliser(trainer, micro) == 2  # two groups
+    seed_accumulated = step_gradients(trainer, micro, [2, 2])
     assert max_difference(seed_accumulated, one_batch) > 1e-3 * scale
     # (with one group per micro-batch, the seed's mean over groups equals the per-micro-batch token mean)
     assert max_difference(seed_accumulated, per_micro_mean) < 1e-6
@@ -179,8 +181,8 @@ def test_filter_metric_in_generate_experiences(make_trainer, filter_metric, kept
     assert len(exp["advantages"]) == len(kept)
     for advantages, g in zip(exp["advantages"], kept):
         assert advantages.tolist() == pytest.approx(all_advantages[g], abs=1e-6)
-    assert trainer.skipped_groups == 4 - len(kept)
-    assert trainer.metrics["frac_groups_skipped"] == [float(g not in kept) for g in range(4)]
+    assert trainer.state.skipped_groups == 4 - len(kept)
+    assert exp["metrics"]["frac_groups_skipped"] == [float(g not in kept) for g in range(4)]
 
 
 def test_correctness_filter_with_the_real_reward(make_trainer):
@@ -196,8 +198,8 @@ def test_correctness_filter_with_the_real_reward(make_trainer):
         full = token_ids(tok, f"<think>\n1\n</think>\n<answer>\n{answer}\n</answer>\n") + [tok.eos_token_id]
         scripted_sampler(trainer, [short, full])
         exp = trainer.generate_experiences(batch)
-        assert trainer.metrics["rewards/correctness_reward"] == [2.0, 2.0]
-        assert trainer.metrics["reward"] == [2.75, 3.5]
+        assert exp["metrics"]["rewards/correctness_reward"] == [2.0, 2.0]
+        assert exp["metrics"]["reward"] == [2.75, 3.5]
         assert len(exp["advantages"]) == expected_kept
 
 
@@ -220,44 +222,61 @@ def test_max_num_gen_batches_gives_up_after_that_many_rounds(make_trainer):
     calls = count_calls(trainer, "generate_experiences")
     with pytest.raises(RuntimeError, match="max_num_gen_batches"):
         trainer.train()
-    assert len(calls) == 3 and trainer.skipped_groups == 3 and trainer.update_steps == 0
+    assert len(calls) == 3 and trainer.state.skipped_groups == 3 and trainer.update_steps == 0
+
+
+def num_gen_batches_trainer(make_trainer, rounds, max_num_gen_batches):
+    """GA=2 of 1 group each; the rewards alternate: equal totals (skipped) on odd rounds, varied on even ones,
+    so that every optimizer step takes exactly 4 sampling rounds (skip, keep, skip, keep)."""
+
+    def alternating(prompts, responses, answers):  # (evaluation scores rewards too, so count rounds, not calls)
+        return [1.0] * len(responses) if len(rounds) % 2 else [float(i % 4) for i in range(len(responses))]
+
+    trainer = make_trainer(reward_funcs=[alternating], max_num_gen_batches=max_num_gen_batches, max_steps=2, gradient_accumulation_steps=2, eval_steps=1000, max_generate_length=4, loss_agg_mode="token-mean")
+    original = trainer.generate_experiences
+    trainer.generate_experiences = lambda batch: rounds.append(1) or original(batch)
+    return trainer
 
 
 def test_num_gen_batches_and_step_tokens_in_the_training_loop(make_trainer):
-    rounds = []  # generate_experiences calls (evaluation scores rewards too, so count rounds, not reward calls)
-
-    def alternating(prompts, responses, answers):  # equal totals on odd rounds, varied on even rounds
-        return [1.0] * len(responses) if len(rounds) % 2 else [float(i % 4) for i in range(len(responses))]
-
-    # Every micro-batch takes exactly 2 rounds, which max_num_gen_batches=2 still allows.
-    trainer = make_trainer(reward_funcs=[alternating], max_num_gen_batches=2, max_steps=2, gradient_accumulation_steps=2, eval_steps=1000, max_generate_length=4)
-    original = trainer.generate_experiences
-    trainer.generate_experiences = lambda batch: rounds.append(1) or original(batch)
-    micro_steps = []  # (num_step_tokens, this micro-batch's tokens) of every train_step
+    rounds = []  # generate_experiences calls
+    # num_gen_batches counts the rounds of a whole optimizer step (verl's meaning): 4, which max_num_gen_batches=4 allows.
+    trainer = num_gen_batches_trainer(make_trainer, rounds, max_num_gen_batches=4)
+    micro_steps = []  # (normaliser, this micro-batch's tokens) of every train_step
     original_step = trainer.train_step
-    trainer.train_step = lambda model, inputs, *a: micro_steps.append((inputs["num_step_tokens"], int(inputs["action_mask"].sum()))) or original_step(model, inputs, *a)
+    trainer.train_step = lambda model, inputs, normaliser=None: micro_steps.append((normaliser, int(inputs["action_mask"].sum()))) or original_step(model, inputs, normaliser)
     trainer.train()
-    assert trainer.update_steps == 2 and len(rounds) == 8  # 2 steps x 2 micro-batches x 2 rounds
+    assert trainer.update_steps == 2 and len(rounds) == 8  # 2 steps x 4 rounds
     # token-mean's denominator: both micro-batches of a step get the step's total token count
     assert len(micro_steps) == 4
     for (total_1, tokens_1), (total_2, tokens_2) in (micro_steps[:2], micro_steps[2:]):
         assert total_1 == total_2 == tokens_1 + tokens_2
-    assert [record["num_gen_batches"] for record in trainer.history] == [2.0, 2.0]
+    assert [record["num_gen_batches"] for record in trainer.history] == [4.0, 4.0]  # logged once per step
     assert [record["skipped_groups"] for record in trainer.history] == [2, 4]
+    assert [record["frac_groups_skipped"] for record in trainer.history] == [0.5, 0.5]  # 2 of the step's 4 groups
+
+
+def test_max_num_gen_batches_limits_the_rounds_of_one_optimizer_step(make_trainer):
+    # The same run with max_num_gen_batches=3: the first step has 1 of its 2 groups after 3 rounds and gives up.
+    rounds = []
+    trainer = num_gen_batches_trainer(make_trainer, rounds, max_num_gen_batches=3)
+    with pytest.raises(RuntimeError, match="3 sampling rounds gave only 1 of 2 valid groups"):
+        trainer.train()
+    assert len(rounds) == 3 and trainer.update_steps == 0 and trainer.state.skipped_groups == 2
 
 
 # ---------- 5. soft overlong punishment, Eq. (13) ----------
-def test_soft_overlong_punishment_is_appended_and_weighted(make_trainer):
+def test_soft_overlong_punishment_is_not_a_reward_function(make_trainer):
+    # Eq. (13) is added to the total inside generate_experiences, with its own scale: it takes no reward weight.
     trainer = make_trainer(overlong_buffer_len=4, max_generate_length=12)
-    assert len(trainer.reward_funcs) == 5 and len(trainer.reward_tokenizers) == 5
-    assert trainer.reward_names == ["correctness_reward", "digit_reward", "hard_format_reward", "mark_reward", "soft_overlong_punishment"]
-    assert trainer.reward_weights.tolist() == [1.0] * 5
-    # four user weights: the punishment gets 1.0 (it carries its own scale); five: used as given
-    assert make_trainer(overlong_buffer_len=4, reward_weights=[2.0, 1.0, 1.0, 0.5]).reward_weights.tolist() == [2.0, 1.0, 1.0, 0.5, 1.0]
-    assert make_trainer(overlong_buffer_len=4, reward_weights=[2.0, 1.0, 1.0, 0.5, 3.0]).reward_weights.tolist() == [2.0, 1.0, 1.0, 0.5, 3.0]
-    with pytest.raises(ValueError, match="reward_weights has 3 entries but there are 5"):
-        make_trainer(overlong_buffer_len=4, reward_weights=[1.0, 1.0, 1.0])
-    assert len(make_trainer().reward_funcs) == 4  # off by default
+    assert len(trainer.reward_funcs) == 4 and len(trainer.reward_tokenizers) == 4
+    assert trainer.reward_names == ["correctness_reward", "digit_reward", "hard_format_reward", "mark_reward"]
+    assert trainer.reward_weights.tolist() == [1.0] * 4
+    # exactly one weight per reward function
+    assert make_trainer(overlong_buffer_len=4, reward_weights=[2.0, 1.0, 1.0, 0.5]).reward_weights.tolist() == [2.0, 1.0, 1.0, 0.5]
+    with pytest.raises(ValueError, match="reward_weights has 5 entries but there are 4"):
+        make_trainer(overlong_buffer_len=4, reward_weights=[2.0, 1.0, 1.0, 0.5, 3.0])
+    assert len(make_trainer().reward_funcs) == 4
 
 
 def test_soft_overlong_punishment_values(make_trainer):
@@ -271,25 +290,31 @@ def test_soft_overlong_punishment_values(make_trainer):
     responses = [[x] * (n - 1) + [eos] for n in lengths]
     responses[5] = [x] * 12
     scripted_sampler(trainer, responses)
-    trainer.generate_experiences(make_batch(trainer, n=2))
-    assert trainer.metrics["completions/length"] == lengths
-    assert trainer.metrics["completions/clipped_ratio"] == [0, 0, 0, 0, 0, 1, 0, 0]  # only the one without EOS was cut
+    metrics = trainer.generate_experiences(make_batch(trainer, n=2))["metrics"]
+    assert metrics["completions/length"] == lengths
+    assert metrics["completions/clipped_ratio"] == [0, 0, 0, 0, 0, 1, 0, 0]  # only the one without EOS was cut
     # L_max = 12, L_cache = 4, expected = 8:  R = 0 if |y| <= 8, (8 - |y|) / 4 up to 12, -1 beyond
     #   3 -> 0,  9 -> -0.25,  10 -> -0.5,  12 -> -1,  8 -> 0,  12 (cut) -> -1,  1 -> 0,  11 -> -0.75
     eq13 = [0.0, -0.25, -0.5, -1.0, 0.0, -1.0, 0.0, -0.75]
     expected = [0.5 * r for r in eq13]  # overlong_penalty_factor
-    assert trainer.metrics["rewards/soft_overlong_punishment"] == pytest.approx(expected, abs=1e-7)
-    assert trainer.metrics["reward"] == pytest.approx(expected, abs=1e-7)  # it is part of the total
-    # score_rewards passes response_lengths to it: a 13-token response (beyond L_max) is capped at -1
-    scores = trainer.score_rewards(["q"] * 3, ["a"] * 3, [1] * 3, [7, 11, 13])
-    assert scores[:, 1].tolist() == pytest.approx([0.0, 0.5 * -0.75, 0.5 * -1.0], abs=1e-7)
+    assert metrics["rewards/soft_overlong_punishment"] == pytest.approx(expected, abs=1e-7)
+    assert metrics["rewards/zero"] == [0.0] * 8
+    assert metrics["reward"] == pytest.approx(expected, abs=1e-7)  # it is part of the total
+    # the pure function: a 13-token response (beyond L_max) is capped at -1
+    values = soft_overlong_punishment(torch.tensor([7, 11, 13]), max_length=12, cache_length=4, penalty_factor=0.5)
+    assert values.tolist() == pytest.approx([0.0, 0.5 * -0.75, 0.5 * -1.0], abs=1e-7)
+    # off (overlong_buffer_len 0): not logged, not added
+    trainer = make_trainer(reward_funcs=[zero], max_generate_length=12, filter_metric="none")
+    scripted_sampler(trainer, responses)
+    metrics = trainer.generate_experiences(make_batch(trainer, n=2))["metrics"]
+    assert "rewards/soft_overlong_punishment" not in metrics and metrics["reward"] == [0.0] * 8
 
 
 def test_single_reward_function_with_overlong_punishment(make_trainer):
     # load_reward_funcs accepts a single callable (not in a list); so must the weights.
     trainer = make_trainer(reward_funcs=real_correctness_reward, overlong_buffer_len=4)
-    assert trainer.reward_names == ["correctness_reward", "soft_overlong_punishment"]
-    assert trainer.reward_weights.tolist() == [1.0, 1.0]
+    assert trainer.reward_names == ["correctness_reward"]
+    assert trainer.reward_weights.tolist() == [1.0]
 
 
 # ---------- 6. overlong filter ----------
@@ -299,7 +324,7 @@ def test_overlong_filter_masks_truncated_responses(make_trainer):
         eos, x = trainer.tokenizer.eos_token_id, plain_token(trainer)
         scripted_sampler(trainer, [[x, x, eos], [x] * 6])  # ends after 3 tokens; cut at 6 without EOS
         exp = trainer.generate_experiences(make_batch(trainer))
-        inputs = pad_and_cat_groups(exp, trainer.tokenizer.pad_token_id)
+        inputs = as_micro_batch(trainer, exp)
         assert inputs["attention_mask"][:, -6:].tolist() == [[1, 1, 1, 0, 0, 0], [1] * 6]  # unchanged either way
         truncated_row = [0] * 6 if overlong_filter else [1] * 6
         assert inputs["action_mask"].tolist() == [[1, 1, 1, 0, 0, 0], truncated_row]
@@ -322,13 +347,15 @@ def test_overlong_filter_fully_masked_group_has_zero_loss(make_trainer):
     x, y = plain_token(trainer, "1"), plain_token(trainer, "2")
     scripted_sampler(trainer, [[x] * 6, [y] * 6])  # both cut: the group is kept (totals 0, 1) but fully masked
     exp = trainer.generate_experiences(make_batch(trainer))
-    inputs = pad_and_cat_groups(exp, trainer.tokenizer.pad_token_id)
+    inputs = as_micro_batch(trainer, exp)
     assert inputs["action_mask"].sum() == 0 and inputs["attention_mask"][:, -6:].sum() == 12
     for mode in ("seed", "token-mean", "seq-mean-token-mean"):
         trainer.args.loss_agg_mode = mode
         log_probs = torch.zeros(2, 6, requires_grad=True)
         stub_log_probs(trainer, log_probs)
-        loss = trainer.compute_loss(trainer.model, {**inputs, "num_step_tokens": 0})
+        normaliser = loss_normaliser(inputs["action_mask"], mode, 2)  # 0 tokens, 2 responses, 1 group
+        assert normaliser == {"seed": 1, "token-mean": 0, "seq-mean-token-mean": 2}[mode]
+        loss = trainer.compute_loss(trainer.model, inputs, normaliser)
         assert loss.item() == 0.0, mode
         loss.backward()
         assert not log_probs.grad.any()
@@ -340,9 +367,12 @@ def test_fully_masked_micro_batch_logs_finite_metrics(make_trainer):
     trainer = make_trainer(reward_funcs=[varied], num_generations=2, max_generate_length=6, overlong_filter=True, gradient_accumulation_steps=1)
     x, y = plain_token(trainer, "1"), plain_token(trainer, "2")
     scripted_sampler(trainer, [[x] * 6, [y] * 6])
-    inputs = pad_and_cat_groups(trainer.generate_experiences(make_batch(trainer)), trainer.tokenizer.pad_token_id)
-    trainer.train_step(trainer.model, inputs, trainer.optimizer, 0)
-    nan = {key: values for key, values in trainer.metrics.items() if any(math.isnan(v) for v in values)}
+    exp = trainer.generate_experiences(make_batch(trainer))
+    inputs = as_micro_batch(trainer, exp)
+    metrics = trainer.train_step(trainer.model, inputs)
+    assert metrics["num_tokens"] == 0 and metrics["loss"] == 0.0
+    nan = {key: value for key, value in metrics.items() if math.isnan(value)}
+    nan.update({key: values for key, values in exp["metrics"].items() if any(math.isnan(v) for v in values)})
     assert not nan, nan
 
 
@@ -353,7 +383,7 @@ def zero_advantage_inputs(trainer):
     scripted_sampler(trainer, [[x, trainer.tokenizer.eos_token_id]] * trainer.args.num_generations)
     exp = trainer.generate_experiences(make_batch(trainer))
     assert not exp["advantages"][0].any()
-    return pad_and_cat_groups(exp, trainer.tokenizer.pad_token_id)
+    return as_micro_batch(trainer, exp)
 
 
 def test_adam_by_default_adamw_with_weight_decay(make_trainer):
@@ -365,7 +395,8 @@ def test_adam_by_default_adamw_with_weight_decay(make_trainer):
     assert [g["weight_decay"] for g in adamw.optimizer.param_groups] == [wd] and adamw.optimizer.param_groups[0]["lr"] == lr
     for trainer, factor in ((adam, 1.0), (adamw, 1 - lr * wd)):
         before = [p.detach().clone() for p in trainer.model.parameters()]
-        trainer.train_step(trainer.model, zero_advantage_inputs(trainer), trainer.optimizer, 0)
+        trainer.train_step(trainer.model, zero_advantage_inputs(trainer))
+        trainer.optimizer.step()
         # A zero gradient moves Adam by 0; AdamW still decays: w <- w - lr * wd * w = 0.9999 w.
         for old, new in zip(before, trainer.model.parameters()):
             assert torch.allclose(new.detach(), old * factor, rtol=0, atol=1e-8)
@@ -385,27 +416,44 @@ def test_linear_warmup(make_trainer):
     assert used == pytest.approx(expected, rel=1e-9)  # the logged rate is the one the step used
 
 
-def test_max_grad_norm_clips_and_logs_the_pre_clip_norm(make_trainer):
-    trainer = make_trainer(reward_funcs=[varied], gradient_accumulation_steps=1, max_grad_norm=0.0, max_generate_length=8)
-    inputs = pad_and_cat_groups(trainer.generate_experiences(make_batch(trainer)), trainer.tokenizer.pad_token_id)
-    trainer.compute_loss(trainer.model, inputs).backward()  # GA=1: the same loss train_step backpropagates
-    reference = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in reference.values()])).item()
-    trainer.optimizer.zero_grad()
-    captured = {}
-    trainer.optimizer.step = lambda *a, **k: captured.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()})
+def global_norm(grads):
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
 
+
+def one_step_gradients(trainer):
+    """Train one optimizer step (GA=1); return the gradient after the micro-step's backward (pre-clip) and the one
+    optimizer.step sees (post-clip). optimizer.step is replaced by the capture: the model does not move."""
+    pre, post = {}, {}
+    original_step = trainer.train_step
+
+    def train_step(model, inputs, normaliser=None):
+        metrics = original_step(model, inputs, normaliser)
+        pre.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()})
+        return metrics
+
+    trainer.train_step = train_step
+    trainer.optimizer.step = lambda *a, **k: post.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()})
+    trainer.train()
+    assert trainer.update_steps == 1 and pre and post
+    return pre, post
+
+
+def test_max_grad_norm_clips_and_logs_the_pre_clip_norm(make_trainer):
+    settings = dict(reward_funcs=[varied], gradient_accumulation_steps=1, max_steps=1, eval_steps=1000, max_generate_length=8)
     # max_grad_norm = 0: no clipping, the gradient is untouched and its norm logged.
-    trainer.train_step(trainer.model, inputs, trainer.optimizer, 0)
-    assert trainer.metrics["grad_norm"] == [pytest.approx(norm, rel=1e-5)]
+    trainer = make_trainer(max_grad_norm=0.0, **settings)
+    reference, captured = one_step_gradients(trainer)
+    norm = global_norm(reference)
+    assert norm > 0 and trainer.history[0]["grad_norm"] == pytest.approx(norm, rel=1e-5)
     assert max_difference(captured, reference) < 1e-7
 
     # max_grad_norm = norm / 4: every gradient is scaled by max / (norm + 1e-6); the log keeps the pre-clip norm.
-    trainer.args.max_grad_norm = max_norm = norm / 4
-    trainer.metrics.clear()
-    trainer.train_step(trainer.model, inputs, trainer.optimizer, 0)
-    assert trainer.metrics["grad_norm"] == [pytest.approx(norm, rel=1e-5)]
-    clipped_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in captured.values()])).item()
+    max_norm = norm / 4
+    trainer = make_trainer(max_grad_norm=max_norm, output_dir=trainer.args.output_dir + "_clipped", **settings)
+    reference, captured = one_step_gradients(trainer)
+    norm = global_norm(reference)  # this run's own pre-clip norm (the same sampling seed: about the same)
+    assert norm > 2 * max_norm and trainer.history[0]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    clipped_norm = global_norm(captured)
     assert clipped_norm <= max_norm * (1 + 1e-5) and clipped_norm == pytest.approx(max_norm, rel=1e-4)
     scale = max_norm / (norm + 1e-6)
     assert max_difference(captured, {n: g * scale for n, g in reference.items()}) < 1e-7
@@ -445,12 +493,12 @@ def test_paper_preset_learns_in_600_steps(tmp_path):
         "correctness", "token-mean", 6, 0.1, 10, 1.0
     )
     assert (args.lr, args.max_steps, args.seed) == (3e-4, 600, 42)
-    assert trainer.reward_names[-1] == "soft_overlong_punishment" and type(trainer.optimizer) is torch.optim.AdamW
+    assert "rewards/soft_overlong_punishment/mean" in trainer.history[0] and type(trainer.optimizer) is torch.optim.AdamW
     history = trainer.history
     assert trainer.update_steps == 600 and len(history) == 600
     assert history[0]["learning_rate"] == pytest.approx(3e-5) and history[-1]["learning_rate"] == pytest.approx(3e-4)
     # The filter is at work: some groups are all right or all wrong, and refilling takes extra rounds.
-    assert trainer.skipped_groups > 0 and max(record["num_gen_batches"] for record in history) > 1
+    assert trainer.state.skipped_groups > 0 and max(record["num_gen_batches"] for record in history) > 1
 
     def gain(key):
         values = [record[key] for record in history]
