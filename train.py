@@ -1031,8 +1031,10 @@ class DapoTrainer:
             elif key == "completions/length":
                 record.update({"completions/mean_length": fmean(values), "completions/min_length": min(values)})
                 record.update({"completions/max_length": max(values), "sampled_tokens": sum(values)})
-            elif key.startswith("rewards/"):  # per reward function, as TRL names them
-                record[f"{key}/mean"], record[f"{key}/std"] = fmean(values), stdev(values) if len(values) > 1 else 0.0
+            elif key.startswith("rewards/"):  # per reward function, as TRL names them; None (NaN) left out
+                seen = [value for value in values if not math.isnan(value)]
+                if seen:
+                    record[f"{key}/mean"], record[f"{key}/std"] = fmean(seen), stdev(seen) if len(seen) > 1 else 0.0
             else:
                 record[key] = fmean(values)
         record["skipped_groups"] = self.state.skipped_groups
