@@ -72,7 +72,7 @@ def checkpoint_arguments(checkpoint):
     return saved | {"output_dir": os.path.dirname(os.path.abspath(checkpoint))}
 
 
-def resume(trainer, checkpoint):
+def resume(trainer, checkpoint, cut_logs=True):
     """Continue from a checkpoint: weights, optimizer, scheduler, loop position and RNG. Optimizer settings
     given anew (lr, weight_decay, warmup_steps, max_grad_norm) apply from here on; a changed STEP_SETTINGS
     field is refused. Only then are the logs cut back to the checkpoint's step, so that no line repeats."""
@@ -99,6 +99,8 @@ def resume(trainer, checkpoint):
         torch.cuda.set_rng_state_all([s.cpu() for s in saved["cuda_rng"]])
     trainer.resumed = True
     step, out = trainer.state.update_steps, args.output_dir
+    if not cut_logs:  # another process of this run writes the logs
+        return
     # training_losses lines carry the steps finished *before* their micro-step; the others, their step.
     cut_log(os.path.join(out, LOG_FILES[0]), lambda line: int(line.split(",")[0]) < step)
     cut_log(os.path.join(out, LOG_FILES[1]), lambda line: int(line.split(",")[0]) <= step)

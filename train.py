@@ -46,6 +46,7 @@ from checkpoints import LOG_FILES, checkpoint_arguments, find_checkpoint, find_c
 from reward_func import correctness_reward, digit_reward, extract_answer, hard_format_reward, is_correct, mark_reward
 from reward_func import load_reward_models, normalize_answer, reward_func_name, reward_model_scores
 from trackers import make_tracker
+import distributed
 
 SYSTEM_PROMPT = """
 按照如下格式回答问题：
@@ -503,11 +504,18 @@ class LoopState:
     buffer: dict = field(default_factory=lambda: {key: [] for key in GROUP_KEYS})  # valid groups not yet trained
     rollout: Optional[list] = None  # the micro-batches being trained on
     updates_done: int = 0  # optimizer steps taken on the rollout
+    world_size: int = 1  # processes training together (torchrun); a checkpoint resumes under the same number
 
     def state_dict(self):
         return dict(vars(self))
 
     def load_state_dict(self, state):
+        saved = state.get("world_size", 1)
+        if saved != self.world_size:
+            launch = "python train.py" if saved == 1 else f"torchrun --nproc_per_node={saved} train.py"
+            raise ValueError(
+                f"the checkpoint was written by {saved} process(es), this run has {self.world_size}: {launch}"
+            )
         vars(self).update(state)
 
 
@@ -533,10 +541,12 @@ class DapoTrainer:
     ):  # fmt: skip
         self.args = args = args if args is not None else DapoArguments()
         args.validate()  # again: users may have edited fields after construction
-        torch.manual_seed(args.seed)
+        self.world = distributed.setup(args.device)  # torchrun / accelerate launch: this process's rank
+        torch.manual_seed(args.seed + self.world.rank)  # each rank samples differently; the prompt order does not
         # Policy in float32: transformers 5 loads a bf16 checkpoint as bf16, where Adam's 1e-6 steps round
         # away. Forward passes may still autocast to bf16 on CUDA (args.bf16).
         self.model = (load_causal_lm(model) if isinstance(model, str) else model).to(args.device, torch.float32)
+        self.world.broadcast_parameters(self.model)
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         if args.device.startswith("cuda"):  # process-wide switches: set both ways
@@ -584,9 +594,10 @@ class DapoTrainer:
             max_length = args.max_prompt_length + args.max_generate_length
             engine = (args.vllm_gpu_memory_utilization, args.vllm_enable_sleep_mode, args.seed)
             self.vllm, self.vllm_step = VllmSampler(self.model, args.device, dtype, max_length, *engine), 0
+            self.vllm.sleep_between_rollouts = args.vllm_enable_sleep_mode  # free its memory for training
 
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.state = LoopState()
+        self.state = LoopState(world_size=self.world.size)
         self.resumed = False
         self.stop_requested = False  # set by Ctrl-C; acted on at the next step end
         self.history = []  # one metrics dict per optimizer step (also written to metrics.jsonl)
@@ -653,21 +664,14 @@ class DapoTrainer:
     def sample_with_vllm(self, input_ids, attention_mask):
         """sample() through vLLM, with the policy's current weights; vLLM's log-probs of the drawn tokens are
         kept in self.sampler_log_probs [N, T'] for the sampler/learner gap (and its correction)."""
-        args, pad = self.args, self.tokenizer.pad_token_id
-        if args.vllm_enable_sleep_mode:
-            self.vllm.wake_up()
         if self.vllm_step != self.state.update_steps:  # the policy stepped since vLLM last saw it
             self.vllm.load_weights(self.model)
             self.vllm_step = self.state.update_steps
-        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+        args = self.args
         sampling = (args.temperature, args.top_p, args.top_k, args.max_generate_length, self.eos_token_ids)
-        responses, log_probs = self.vllm.generate(prompts, 1, *sampling)
-        if args.vllm_enable_sleep_mode:
-            self.vllm.sleep()
-        width = max(len(response) for response in responses)
-        response_ids = torch.tensor([r + [pad] * (width - len(r)) for r in responses], device=input_ids.device)
-        padded = [lp + [0.0] * (width - len(lp)) for lp in log_probs]
-        self.sampler_log_probs = torch.tensor(padded, device=input_ids.device)
+        response_ids, self.sampler_log_probs = self.vllm.sample(
+            input_ids, attention_mask, self.tokenizer.pad_token_id, *sampling
+        )
         return torch.cat([input_ids, response_ids], dim=1)
 
     def generate_samples(self, inputs):
@@ -896,12 +900,14 @@ class DapoTrainer:
                 f"already at step {state.update_steps} of {self.global_steps}: nothing to train (raise --max_steps)"
             )
             return
-        self.tracker = make_tracker(args.report_to, args.output_dir, dataclasses.asdict(args))
+        report_to = args.report_to if self.world.is_main else "none"  # rank 0 alone reports
+        self.tracker = make_tracker(report_to, args.output_dir, dataclasses.asdict(args))
         if not self.resumed:  # a resumed run evaluated before its checkpoint
             self.evaluate_and_log()
         start_steps, self.empty_rounds = state.update_steps, 0
         metrics = defaultdict(list)  # what this optimizer step gathered
-        bar = tqdm(total=self.global_steps, initial=state.update_steps, desc="DAPO", unit="step", dynamic_ncols=True)
+        bar = dict(total=self.global_steps, initial=state.update_steps, desc="DAPO", unit="step", dynamic_ncols=True)
+        bar = tqdm(**bar, disable=not self.world.is_main)
         with bar as self.progress, self.deferred_interrupts(), contextlib.closing(self.tracker):
             batches = self.prompt_batches()
             while state.update_steps < self.global_steps:
@@ -918,13 +924,14 @@ class DapoTrainer:
                         state.buffer.setdefault(key, []).extend(values)
                     state.rounds += 1
                     self.empty_rounds = 0 if experiences["advantages"] else self.empty_rounds + 1
-                    if len(state.buffer["advantages"]) < groups_per_rollout:
+                    take = self.world.rollout_size(state, groups_per_rollout)  # a collective decision across ranks
+                    if take is None:
                         self.check_rounds()
                         continue
                     # 2. The rollout: micro-batches of batch_size groups, with pi_old's and pi_ref's log-probs.
                     start = time.perf_counter()
-                    rollout = {key: values[:groups_per_rollout] for key, values in state.buffer.items()}
-                    state.buffer = {key: values[groups_per_rollout:] for key, values in state.buffer.items()}
+                    rollout = {key: values[:take] for key, values in state.buffer.items()}
+                    state.buffer = {key: values[take:] for key, values in state.buffer.items()}
                     state.rollout, state.updates_done = self.make_micro_batches(rollout), 0
                     metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)
                     metrics["num_gen_batches"].append(state.rounds)
@@ -932,13 +939,15 @@ class DapoTrainer:
 
                 # 3. One optimizer step: gradient accumulation over its slice of the rollout's micro-batches
                 #    (num_iterations passes over steps_per_generation slices).
-                first = state.updates_done % args.steps_per_generation * accumulation
-                micro_batches = state.rollout[first : first + accumulation]
+                step_in_rollout = state.updates_done % args.steps_per_generation
+                micro_batches = distributed.step_slice(state.rollout, step_in_rollout, args.steps_per_generation)
                 normaliser = sum(loss_normaliser(m["action_mask"], args.loss_agg_mode, G) for m in micro_batches)
+                normaliser = self.world.sum(normaliser)  # the whole step's units, over every rank
                 self.model.train()
                 for inputs in micro_batches:
                     for key, value in self.train_step(self.model, inputs, normaliser).items():
                         metrics[key].append(value)
+                self.world.reduce_gradients(self.model)  # summed over ranks: the one-process gradient
                 max_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
                 metrics["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
                 metrics["learning_rate"].append(self.optimizer.param_groups[0]["lr"])
@@ -951,6 +960,8 @@ class DapoTrainer:
                     state.rollout = None
 
                 # 4. Step end: evaluate, log, save, stop.
+                metrics = self.world.gather_step(metrics)  # every rank's numbers, in rank order
+                self.stop_requested = self.world.any(self.stop_requested)
                 for loss in metrics["loss"]:  # the seed's file: a line per micro-step, numbered by the steps before
                     self.append_line("training_losses.txt", f"{state.update_steps - 1},{loss:.8f}")
                 if state.update_steps % args.eval_steps == 0:
@@ -958,7 +969,7 @@ class DapoTrainer:
                 self.log_step(metrics)
                 metrics = defaultdict(list)
                 if state.update_steps % args.save_steps == 0 or self.stop_requested:
-                    path = save_checkpoint(self)
+                    path = self.world.save_checkpoint(self, save_checkpoint)
                 if self.stop_requested:
                     tqdm.write(f"stopped; continue with: python train.py --resume={path}")
                     raise KeyboardInterrupt
@@ -977,7 +988,7 @@ class DapoTrainer:
         while state.epoch < self.args.epoch:
             order = torch.Generator().manual_seed(self.args.seed + state.epoch)
             loader = DataLoader(self.train_dataset, batch_size=self.args.batch_size, shuffle=True, generator=order)
-            for index, batch in enumerate(loader):
+            for index, batch in enumerate(self.world.shard(loader)):  # batches rank, rank + N, ...
                 if index >= state.batches_done:
                     state.batches_done += 1
                     yield batch
@@ -1018,6 +1029,8 @@ class DapoTrainer:
 
     # ---- 4.7 logging ----
     def append_line(self, filename, line):
+        if not self.world.is_main:  # one writer
+            return
         os.makedirs(self.args.output_dir, exist_ok=True)
         with open(os.path.join(self.args.output_dir, filename), "a", encoding="utf-8") as f:
             f.write(line + "\n")
@@ -1064,7 +1077,8 @@ class DapoTrainer:
         try:  # a picture must never end a run
             from curves import plot_curves
 
-            plot_curves(args.output_dir)
+            if self.world.is_main:
+                plot_curves(args.output_dir)
         except Exception as error:  # noqa: BLE001
             warnings.warn(f"could not draw curves.png: {error!r}")
         return self.last_accuracy
@@ -1076,8 +1090,9 @@ class DapoTrainer:
         used whole). With return_examples, also the first few problems with their responses and rewards."""
         eval_subset = self.eval_dataset
         if len(self.eval_dataset) > num_samples:
-            indices = torch.randperm(len(self.eval_dataset))[:num_samples].tolist()
+            indices = self.world.from_rank_0(torch.randperm(len(self.eval_dataset))[:num_samples].tolist())
             eval_subset = torch.utils.data.Subset(self.eval_dataset, indices)
+        eval_subset = self.world.share(eval_subset)  # under torchrun, each rank evaluates every N-th problem
         self.model.eval()
         correct_count, total_count, examples = 0, 0, []
         for batch in DataLoader(eval_subset, batch_size=batch_size, shuffle=False):
@@ -1090,6 +1105,9 @@ class DapoTrainer:
             if return_examples and len(examples) < NUM_LOGGED_EXAMPLES:
                 examples += self.describe_examples(batch, responses)[: NUM_LOGGED_EXAMPLES - len(examples)]
         self.model.train()
+        correct_count, total_count, examples = self.world.gather_eval(
+            correct_count, total_count, examples, NUM_LOGGED_EXAMPLES
+        )
         accuracy = correct_count / total_count if total_count else 0.0
         return (accuracy, examples) if return_examples else accuracy
 
@@ -1109,6 +1127,8 @@ class DapoTrainer:
         ]
 
     def save_model(self):
+        if not self.world.is_main:
+            return
         self.model.save_pretrained(self.args.output_dir)
         self.tokenizer.save_pretrained(self.args.output_dir)
 
@@ -1157,26 +1177,29 @@ def main(argv=None):
         args = build_args(cli.preset, overrides)
     except ValueError as error:
         sys.exit(f"error: {error}")
-    if cli.demo and checkpoint is None:  # a new world in a clean folder: the demo owns its output_dir
+    world = distributed.setup(args.device)  # under torchrun, rank 0 alone prepares the folders; the others wait
+    if cli.demo and checkpoint is None and world.is_main:  # a new world in a clean folder: the demo owns it
         for name in [*LOG_FILES, *(f"checkpoint_{step}" for step in find_checkpoints(args.output_dir))]:
             path = os.path.join(args.output_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
         args.model_path, args.data_path = tiny_world.build_tiny_world(
             args.output_dir, SYSTEM_PROMPT, warm_up_steps=warm_up_steps
         )
-    fresh_run_checkpoints = find_checkpoints(args.output_dir) if checkpoint is None else []
-    check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run_checkpoints)
+    if world.is_main:
+        fresh_run_checkpoints = find_checkpoints(args.output_dir) if checkpoint is None else []
+        check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run_checkpoints)
+    args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
     trainer = build_trainer(args)
     try:
         if checkpoint:
-            resume(trainer, checkpoint)
+            world.resume(trainer, checkpoint, resume)
         trainer.train()
     except (ValueError, NoTrainingStep) as error:  # a refused resume, a run that never stepped
         sys.exit(f"error: {error}")
     except KeyboardInterrupt:  # train() saved a checkpoint and said how to resume
         sys.exit(130)
     trainer.save_model()
-    if cli.demo:
+    if cli.demo and world.is_main:
         print(tiny_world.demo_summary(trainer.history, args.output_dir))
     return trainer
 

@@ -61,8 +61,9 @@ class VllmSampler:
     """A vllm.LLM that mirrors `model`'s weights; generate returns token ids and their log-probs."""
 
     def __init__(self, model, device="cpu", dtype=torch.float32, max_model_len=1024,
-                 gpu_memory_utilization=0.3, enable_sleep_mode=False, seed=0):
+                 gpu_memory_utilization=0.3, enable_sleep_mode=False, seed=0):  # fmt: skip
         check_supported(model, device)
+        self.sleep_between_rollouts = False  # sample() wakes vLLM up and puts it back to sleep (CUDA)
         # Written once at start-up (not in the hot path). load_format="dummy" would skip the disk but
         # randomises vLLM's persistent buffers too (the rotary cos/sin cache), which reload_weights
         # then keeps: measured |logprob diff| 1.3 instead of 1e-6. The model's generation_config.json
@@ -149,6 +150,21 @@ class VllmSampler:
                 # completion.logprobs: one {token id: Logprob} dict per generated token.
                 log_probs.append([step[token].logprob for step, token in zip(completion.logprobs, ids)])
         return response_ids, log_probs
+
+    def sample(self, input_ids, attention_mask, pad_token_id, temperature, top_p, top_k, max_tokens, stop_token_ids):
+        """One response per row of left-padded prompts input_ids [N, P] (attention_mask [N, P]), in the trainer's
+        layout: (response ids [N, T'] right-padded with pad_token_id, their log-probs [N, T'] padded with 0)."""
+        if self.sleep_between_rollouts:
+            self.wake_up()
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+        responses, log_probs = self.generate(prompts, 1, temperature, top_p, top_k, max_tokens, stop_token_ids)
+        if self.sleep_between_rollouts:
+            self.sleep()
+        width = max(len(response) for response in responses)
+        response_ids = [response + [pad_token_id] * (width - len(response)) for response in responses]
+        log_probs = [row + [0.0] * (width - len(row)) for row in log_probs]
+        device = input_ids.device
+        return torch.tensor(response_ids, device=device), torch.tensor(log_probs, dtype=torch.float32, device=device)
 
     def sleep(self):
         """CUDA with enable_sleep_mode: free vLLM's GPU memory (weights to CPU, KV cache dropped) for training."""

@@ -1,0 +1,234 @@
+"""Data-parallel DAPO across processes: `torchrun --nproc_per_node=N train.py` or `accelerate launch
+--num_processes N train.py` (both set WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT). Without WORLD_SIZE
+(plain `python train.py`) there is one process, no process group, and every method here is a no-op.
+
+How a step is shared (see setup's World for each piece):
+  - prompts: the epoch's seeded order is the same on every rank; rank r samples batches r, r+N, r+2N, ...
+    (the last len % N batches are dropped, so that every rank samples as many rounds). Whole groups stay
+    on the rank that sampled them: group statistics and dynamic sampling are local.
+  - the step decision is collective: after each sampling round the ranks share their buffered group counts;
+    the step happens when all ranks together hold groups_per_rollout * N groups, then each rank trains on its
+    share (balanced; a rank may have fewer, or none).
+  - gradients: every micro-batch's loss is divided by the step's unit count summed over ALL ranks (tokens,
+    responses or groups, per loss_agg_mode), and after the accumulation loop the gradients are SUMMED
+    across ranks (one all-reduce per step, in buckets). That is exactly the one-process gradient of the
+    step's N * b groups, whatever each rank held. No DDP: its hooks average (a factor N to undo), sync on
+    every backward unless told not to, and hang when ranks run different numbers of backward passes.
+  - rank 0 alone writes logs, curves, checkpoints and the final model; metrics of all ranks are gathered
+    first. Evaluation splits its problems across ranks and sums the counts.
+  - checkpoints hold every rank's loop state and RNG (gathered to rank 0), and the world size: a resume under
+    another world size is refused with a message.
+"""
+
+import atexit
+import os
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+GRAD_BUCKET = 2**24  # gradient elements per all-reduce (64 MB of float32)
+
+
+def setup(device="cpu"):
+    """This process's World: one process when WORLD_SIZE is unset or 1; else join (or reuse) the process
+    group: NCCL when the device is CUDA (each process on cuda:LOCAL_RANK), gloo on CPU."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return World()
+    if not dist.is_initialized():
+        if device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    return World(dist.get_rank(), dist.get_world_size(), "cuda" if device.startswith("cuda") else "cpu")
+
+
+def step_slice(items, index, parts):
+    """The index-th of `parts` near-equal consecutive slices of items (a rollout's micro-batches split over
+    steps_per_generation optimizer steps). With len(items) = parts * k: items[index * k : (index + 1) * k]."""
+    size, extra = divmod(len(items), parts)
+    first = index * size + min(index, extra)
+    return items[first : first + size + (index < extra)]
+
+
+def balanced_shares(counts, total):
+    """How many of its buffered groups each rank trains on so that together they take `total`: up to
+    total / N each, the rest from the ranks that have more, in rank order."""
+    shares = [min(count, total // len(counts)) for count in counts]
+    missing = total - sum(shares)
+    for rank, count in enumerate(counts):
+        extra = min(count - shares[rank], missing)
+        shares[rank], missing = shares[rank] + extra, missing - extra
+    return shares
+
+
+def to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {key: to_cpu(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+class World:
+    """Rank `rank` of `size` processes. With size 1 every collective returns its input."""
+
+    def __init__(self, rank=0, size=1, device="cpu"):
+        self.rank, self.size, self.device = rank, size, device
+        self.synced_skips = 0  # state.skipped_groups (over all ranks) at the last sync; set again by resume
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    # ---- collectives on plain Python values ----
+    def sum(self, value):
+        """value summed over ranks (int stays int)."""
+        if self.size == 1:
+            return value
+        dtype = torch.float64 if isinstance(value, float) else torch.int64
+        tensor = torch.tensor(value, dtype=dtype, device=self.device)
+        dist.all_reduce(tensor)
+        return type(value)(tensor.item())
+
+    def any(self, flag):
+        return bool(self.sum(int(flag))) if self.size > 1 else flag
+
+    def gather(self, value):
+        """[value of rank 0, value of rank 1, ...] on every rank."""
+        if self.size == 1:
+            return [value]
+        values = [None] * self.size
+        dist.all_gather_object(values, to_cpu(value))
+        return values
+
+    def from_rank_0(self, value):
+        """Rank 0's value on every rank."""
+        if self.size == 1:
+            return value
+        box = [to_cpu(value)]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ---- the model ----
+    def broadcast_parameters(self, model):
+        """Start every rank from rank 0's weights (they load the same files; this makes it certain)."""
+        if self.size > 1:
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor.data, src=0)
+
+    def reduce_gradients(self, model):
+        """Sum the step's gradients over ranks (in place; a rank without a micro-batch adds zeros). The losses
+        are already divided by the whole step's unit count, so the sum is the one-process gradient."""
+        if self.size == 1:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        bucket = []
+        for i, p in enumerate(params):
+            bucket.append(p.grad)
+            if i == len(params) - 1 or sum(g.numel() for g in bucket) + params[i + 1].numel() > GRAD_BUCKET:
+                flat = torch.cat([g.flatten() for g in bucket])
+                dist.all_reduce(flat)  # sum
+                for g, chunk in zip(bucket, flat.split([g.numel() for g in bucket])):
+                    g.copy_(chunk.view_as(g))
+                bucket = []
+
+    # ---- sampling ----
+    def shard(self, batches):
+        """This rank's prompt batches: r, r + N, ...; the last len % N are dropped so that ranks run equal rounds."""
+        if self.size == 1:
+            yield from batches
+            return
+        usable = len(batches) // self.size * self.size
+        for index, batch in enumerate(batches):
+            if index >= usable:
+                return
+            if index % self.size == self.rank:
+                yield batch
+
+    def rollout_size(self, state, per_rank):
+        """After a sampling round: None while the ranks together hold fewer than per_rank * N valid groups,
+        else how many of its buffered groups this rank trains on. Collective: every rank decides the same.
+        Also makes state.skipped_groups the count over all ranks."""
+        held = len(state.buffer["advantages"])
+        if self.size == 1:
+            return per_rank if held >= per_rank else None
+        rows = self.gather((held, state.skipped_groups - self.synced_skips))
+        state.skipped_groups = self.synced_skips = self.synced_skips + sum(new for _, new in rows)
+        counts = [count for count, _ in rows]
+        if sum(counts) < per_rank * self.size:
+            return None
+        return balanced_shares(counts, per_rank * self.size)[self.rank]
+
+    # ---- logging ----
+    def gather_step(self, metrics):
+        """One optimizer step's metrics (micro-step losses included) from every rank, in rank order. Timings
+        become the slowest rank's total (wall-clock); the rest is concatenated, so means are over all ranks."""
+        if self.size == 1:
+            return metrics
+        gathered = self.gather(dict(metrics))
+        merged = defaultdict(list)
+        for rank_metrics in gathered:
+            for key, values in rank_metrics.items():
+                merged[key].extend(values)
+        for key in merged:
+            if key.startswith("time/"):
+                merged[key] = [max(sum(m.get(key, [])) for m in gathered)]
+        return merged
+
+    def share(self, dataset):
+        """This rank's evaluation problems: rank, rank + N, ..."""
+        if self.size == 1:
+            return dataset
+        return torch.utils.data.Subset(dataset, range(self.rank, len(dataset), self.size))
+
+    def gather_eval(self, correct, total, examples, max_examples):
+        """Evaluation counts summed over ranks; the first examples, interleaved back into the problems' order."""
+        if self.size == 1:
+            return correct, total, examples
+        rows = self.gather((correct, total, examples))
+        longest = max(len(e) for _, _, e in rows)
+        ordered = [e[i] for i in range(longest) for _, _, e in rows if i < len(e)]
+        return sum(c for c, _, _ in rows), sum(t for _, t, _ in rows), ordered[:max_examples]
+
+    # ---- checkpoints ----
+    def save_checkpoint(self, trainer, save):
+        """save(trainer) on rank 0 with every rank's loop state and RNG in the loop state's "ranks"."""
+        if self.size == 1:
+            return save(trainer)
+        cuda_rng = torch.cuda.get_rng_state() if self.device == "cuda" else None
+        mine = {"loop": trainer.state.state_dict(), "rng": torch.get_rng_state(), "cuda_rng": cuda_rng}
+        everyone = self.gather(mine)
+        path = None
+        if self.is_main:
+            trainer.state.ranks = everyone
+            try:
+                path = save(trainer)
+            finally:
+                del trainer.state.ranks
+        return self.from_rank_0(path)  # also keeps the others from going on before the checkpoint exists
+
+    def resume(self, trainer, checkpoint, resume):
+        """resume(trainer, checkpoint) on every rank, then this rank's own loop state and RNG. Rank 0 alone
+        cuts the logs back, first; the others wait for it."""
+        if self.size == 1:
+            return resume(trainer, checkpoint)
+        if not self.is_main:
+            self.from_rank_0(None)
+        try:
+            resume(trainer, checkpoint, cut_logs=self.is_main)
+        finally:
+            if self.is_main:
+                self.from_rank_0(None)
+        mine = trainer.state.ranks[self.rank]
+        del trainer.state.ranks
+        trainer.state.load_state_dict(mine["loop"])
+        self.synced_skips = trainer.state.skipped_groups
+        torch.set_rng_state(mine["rng"].cpu())
+        if mine["cuda_rng"] is not None and self.device == "cuda":
+            torch.cuda.set_rng_state(mine["cuda_rng"].cpu())

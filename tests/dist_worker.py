@@ -1,0 +1,92 @@
+"""Run by tests/test_distributed.py, under `python` (one process) or `torch.distributed.run` (several):
+
+    dist_worker.py SCENARIO MODEL_DIR DATA_DIR OUT_DIR [JSON overrides]
+
+Generation is scripted (fixed responses per prompt), so that one process and several see the same groups.
+Rank 0 writes OUT_DIR/result.pt; every rank writes OUT_DIR/rank_R.json.
+"""
+
+import json
+import os
+import sys
+import zlib
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from train import SEED_REWARD_FUNCS, DapoArguments, DapoTrainer, GSM8KDataset  # noqa: E402
+
+scenario, model_dir, data_dir, out = sys.argv[1:5]
+overrides = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+rank = int(os.environ.get("RANK", "0"))
+FAST = dict(device="cpu", max_generate_length=12, eval_samples=2, eval_batch_size=2, num_generations=4)
+FAST |= dict(eval_steps=1000, save_steps=1000, gradient_accumulation_steps=2, filter_metric="none")
+
+
+def scripted_sampler(trainer, skip_on_rank=None):
+    """Each row's response depends only on its prompt and its place in the group (rows repeat each prompt G
+    times, evaluation rows once); on rank skip_on_rank all responses are the same (groups skipped)."""
+    tok, G = trainer.tokenizer, trainer.args.num_generations
+
+    def sample(input_ids, attention_mask):
+        rows = []
+        for i, (ids, mask) in enumerate(zip(input_ids, attention_mask)):
+            h = zlib.crc32(tok.decode(ids[mask.bool()]).encode())
+            j = 0 if rank == skip_on_rank else i % G
+            answer = (h + 3 * j) % 7
+            text = (
+                f"<think>\n{str((h + j) % 10) * (1 + h % 3)}\n</think>\n<answer>\n{answer}\n</answer>"
+                if j % 2 == 0
+                else str(answer)
+            )
+            rows.append(tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+        width = max(map(len, rows))
+        rows = [r + [tok.pad_token_id] * (width - len(r)) for r in rows]
+        return torch.cat([input_ids, torch.tensor(rows, device=input_ids.device)], dim=1)
+
+    trainer.sample = sample
+
+
+def make_trainer(output_dir, **settings):
+    args = DapoArguments(model_path=model_dir, data_path=data_dir, output_dir=output_dir, **(FAST | settings))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return DapoTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        reward_funcs=list(SEED_REWARD_FUNCS),
+        args=args,
+        train_dataset=GSM8KDataset(data_dir, tokenizer, split="train"),
+        eval_dataset=GSM8KDataset(data_dir, tokenizer, split="test"),
+        tokenizer=tokenizer,
+    )
+
+
+result, report = {}, {}
+if scenario == "equivalence":  # one optimizer step per loss_agg_mode; plain SGD, so parameters show the gradient
+    for mode in ("seed", "token-mean", "seq-mean-token-mean"):
+        trainer = make_trainer(os.path.join(out, mode), max_steps=1, loss_agg_mode=mode, **overrides)
+        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=1.0)
+        scripted_sampler(trainer)
+        result["initial"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trainer.train()
+        result[mode] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        report[mode] = trainer.history[-1]["num_tokens"]
+elif scenario == "starved_rank":  # rank 1 keeps no group: rank 0 fills every step
+    trainer = make_trainer(out, max_steps=3, filter_metric="reward", batch_size=1, **overrides)
+    scripted_sampler(trainer, skip_on_rank=1)
+    trainer.train()
+    report = {"steps": trainer.state.update_steps, "history": [r["step"] for r in trainer.history]}
+    report["skipped_groups"] = trainer.state.skipped_groups
+    report["num_gen_batches"] = [r["num_gen_batches"] for r in trainer.history]
+    # Now every rank skips everything: the max_num_gen_batches error must come on all ranks, at the same round.
+    trainer = make_trainer(out + "_starved", max_steps=3, filter_metric="reward", max_num_gen_batches=3)
+    scripted_sampler(trainer, skip_on_rank=rank)
+    try:
+        trainer.train()
+    except RuntimeError as error:
+        report["error"], report["rounds"] = str(error), trainer.state.rounds
+if rank == 0:
+    torch.save(result, os.path.join(out, "result.pt"))
+with open(os.path.join(out, f"rank_{rank}.json"), "w") as f:
+    json.dump(report, f)
