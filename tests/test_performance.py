@@ -1,12 +1,13 @@
-"""The speed/memory switches change cost, not results (issue 6, items 1 and 3).
+"""train.py's fast paths give the seed's results (benchmarks/seed_paths.py holds the seed's paths).
 
-- pad_to_longest:      same log-probs, loss and gradients as padding to max_prompt/generate_length
-- efficient_log_probs: same log-probs, entropy, loss and gradients as the seed's full log-softmax,
-                       at a fraction of its peak memory with Qwen2.5's 151,936-id vocabulary
-- batch_generation:    one Samples per prompt with the same shapes and semantics as one
-                       generate call per prompt
-- fast_sampling:       the same next-token distribution as generate's multinomial sampling, and
-                       the same sequences where sampling is deterministic
+- padding to the longest:   same log-probs, loss and gradients as padding to max_prompt/generate_length
+- selective_log_softmax:    same log-probs, entropy, loss and gradients as the seed's full float32
+                            log-softmax (float32 and bf16 logits), at a fraction of its peak memory
+                            with Qwen2.5's 151,936-id vocabulary
+- one generate call per batch: one Samples per prompt with the same shapes and semantics as one
+                            generate call per prompt
+- SampleKeptTokens:         the same next-token distribution as generate's multinomial sampling, and
+                            the same sequences where sampling is deterministic
 """
 
 import json
@@ -16,13 +17,20 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import make_batch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from train import Samples, pad_and_cat_groups, sampling_processors
+from train import Samples, sampling_processors, selective_log_softmax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from seed_paths import use_seed_paths  # noqa: E402
+
+
+def make_seed_trainer(make_trainer, *paths, **settings):
+    return use_seed_paths(make_trainer(**settings), *paths)
 
 
 # ---------- helpers ----------
@@ -68,8 +76,11 @@ def scripted_responses(tokenizer, rows, width, seed=0):
 
 
 def micro_batch(trainer, batch):
+    """generate_experiences then make_micro_batches: every kept group of the batch in one micro-batch."""
     torch.manual_seed(0)
-    return pad_and_cat_groups(trainer.generate_experiences(batch), trainer.tokenizer.pad_token_id)
+    groups = trainer.generate_experiences(batch)
+    groups.pop("metrics")
+    return trainer.make_micro_batches(groups)[0]
 
 
 def loss_and_grads(trainer, inputs):
@@ -102,7 +113,7 @@ def test_pad_to_longest_gives_the_same_log_probs_loss_and_grads(make_trainer, so
     # Two prompts of different lengths (left padding in both settings); max_generate_length 12,
     # responses of at most 8 tokens, so pad_to_longest really narrows both ends.
     common = dict(reward_funcs=[varied], batch_size=2, max_prompt_length=160, max_generate_length=12, num_iterations=2)
-    longest, full = make_trainer(pad_to_longest=True, **common), make_trainer(pad_to_longest=False, **common)
+    longest, full = make_trainer(**common), make_seed_trainer(make_trainer, "pad_to_max", **common)
     batch = make_batch(longest, 2)
     if source == "scripted":
         responses = scripted_responses(longest.tokenizer, 8, 8)
@@ -135,7 +146,7 @@ def test_pad_to_longest_gives_the_same_log_probs_loss_and_grads(make_trainer, so
     # ... then moved off pi by the same amount, so that the loss depends on the log-probs.
     noise = perturbed_old_log_probs(a, T)
     a["old_action_log_probs"] = a["old_action_log_probs"] + noise
-    b["old_action_log_probs"] = b["old_action_log_probs"] + torch.nn.functional.pad(noise, (0, 12 - T))
+    b["old_action_log_probs"] = b["old_action_log_probs"] + F.pad(noise, (0, 12 - T))
 
     for mode in ("seed", "token-mean", "seq-mean-token-mean"):
         longest.args.loss_agg_mode = full.args.loss_agg_mode = mode
@@ -146,7 +157,7 @@ def test_pad_to_longest_gives_the_same_log_probs_loss_and_grads(make_trainer, so
         assert_same_grads(grads_a, grads_b)
 
 
-def test_efficient_log_probs_equal_the_full_log_softmax(make_trainer):
+def test_selective_log_softmax_equals_the_seeds_full_log_softmax(make_trainer):
     trainer = make_trainer(reward_funcs=[varied], batch_size=2, max_prompt_length=160, max_generate_length=12, num_iterations=2)
     responses = scripted_responses(trainer.tokenizer, 8, 8, seed=3)
     replay(trainer, responses)
@@ -156,7 +167,8 @@ def test_efficient_log_probs_equal_the_full_log_softmax(make_trainer):
     ids, attention = inputs["prompt_response_ids"], inputs["attention_mask"]
     results = {}
     for efficient in (True, False):
-        trainer.args.efficient_log_probs = efficient
+        if not efficient:
+            use_seed_paths(trainer, "full_log_softmax")
         with torch.no_grad():
             log_probs, entropy = trainer.get_action_log_probs(trainer.model, ids, attention, T, with_entropy=True)
         results[efficient] = (log_probs, entropy, *loss_and_grads(trainer, inputs))
@@ -168,6 +180,26 @@ def test_efficient_log_probs_equal_the_full_log_softmax(make_trainer):
     assert_same_grads(grads1, grads0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_log_softmax_equals_the_reference_formula(dtype):
+    """log p[label] = x[label] - logsumexp(x), H = -sum p log p, d log p[label] / dx = onehot - p; float32 results."""
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(3, 5, 1000, generator=g)).to(dtype)
+    labels = torch.randint(0, 1000, (3, 5), generator=g)
+    weights = torch.randn(3, 5, generator=g)
+    x, y = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    log_probs, entropy = selective_log_softmax(x, labels)
+    (log_probs * weights).sum().backward()
+    full = F.log_softmax(y.float(), dim=-1)  # the seed's formula, in float32
+    reference = full.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    (reference * weights).sum().backward()
+    assert log_probs.dtype == entropy.dtype == torch.float32 and x.grad.dtype == dtype
+    assert (log_probs - reference).abs().max() < 1e-5
+    assert (entropy - -(full.exp() * full).sum(-1)).abs().max() < 1e-4
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-3  # bf16 gradients round to 8 bits
+    assert (x.grad.float() - y.grad.float()).abs().max() < tolerance
+
+
 # ---------- 2. memory of the log-probs with a real vocabulary ----------
 MEMORY_PROBE = r"""
 import json, os, sys
@@ -175,6 +207,8 @@ sys.path.insert(0, {root!r})
 import torch
 import transformers
 from train import DapoArguments, DapoTrainer
+sys.path.insert(0, os.path.join({root!r}, "benchmarks"))
+from seed_paths import use_seed_paths
 
 torch.set_num_threads(1)
 efficient, model_dir, output_dir = sys.argv[1] == "1", sys.argv[2], sys.argv[3]
@@ -200,8 +234,10 @@ config = transformers.Qwen2Config(vocab_size=151936, hidden_size=64, intermediat
 torch.manual_seed(0)
 model = transformers.Qwen2ForCausalLM(config)
 tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-args = DapoArguments(device="cpu", output_dir=output_dir, efficient_log_probs=efficient)
+args = DapoArguments(device="cpu", output_dir=output_dir)
 trainer = DapoTrainer(model=model, reward_funcs=[lambda prompts, responses, answers: [0.0] * len(responses)], args=args, tokenizer=tokenizer)
+if not efficient:
+    use_seed_paths(trainer, "full_log_softmax")
 N, P, T = 2, 256, 128
 ids = torch.randint(0, config.vocab_size, (N, P + T))
 mask = torch.ones_like(ids)
@@ -215,7 +251,7 @@ print(json.dumps(dict(extra=peak() - base, exact=exact, shape=list(log_probs.sha
 """
 
 
-def test_efficient_log_probs_peak_memory_with_a_real_vocabulary(world, tmp_path):
+def test_selective_log_softmax_peak_memory_with_a_real_vocabulary(world, tmp_path):
     """Peak RSS of get_action_log_probs (2 rows of 256 + 128 tokens, vocab 151,936) in fresh processes.
 
     torch's CPU allocations are invisible to tracemalloc, hence the kernel's peak RSS (VmHWM, reset
@@ -253,7 +289,7 @@ def test_efficient_log_probs_peak_memory_with_a_real_vocabulary(world, tmp_path)
 
 
 # ---------- 3. one generate call per batch = one per prompt ----------
-def check_samples(trainer, samples, batch, G, same_width):
+def check_samples(trainer, samples, batch, G, same_width, pad_to_max=False):
     """One Samples per prompt, with consistent shapes, left-padded prompts and prefix action masks."""
     tok = trainer.tokenizer
     assert len(samples) == len(batch["prompt"]) and all(isinstance(s, Samples) for s in samples)
@@ -282,7 +318,7 @@ def check_samples(trainer, samples, batch, G, same_width):
             else:  # ran to the end of the batch's responses: no EOS before the last token
                 assert eos_at in ([], [T - 1])
             assert (s.response_ids[row, length:] == tok.pad_token_id).all()
-        if not trainer.args.pad_to_longest:
+        if pad_to_max:
             assert (P, T) == (trainer.args.max_prompt_length, trainer.args.max_generate_length)
     if same_width:
         assert len({s.prompt_response_ids.shape for s in samples}) == 1
@@ -291,8 +327,10 @@ def check_samples(trainer, samples, batch, G, same_width):
 @pytest.mark.parametrize("pad_to_longest", [True, False])
 def test_batch_generation_same_samples_as_one_call_per_prompt(make_trainer, pad_to_longest):
     G = 2
-    by_batch = make_trainer(num_generations=G, max_generate_length=6, max_prompt_length=160, pad_to_longest=pad_to_longest, batch_size=3)
-    by_prompt = make_trainer(num_generations=G, max_generate_length=6, max_prompt_length=160, pad_to_longest=pad_to_longest, batch_size=3, batch_generation=False)
+    settings = dict(num_generations=G, max_generate_length=6, max_prompt_length=160, batch_size=3)
+    padding = () if pad_to_longest else ("pad_to_max",)
+    by_batch = make_seed_trainer(make_trainer, *padding, **settings) if padding else make_trainer(**settings)
+    by_prompt = make_seed_trainer(make_trainer, "per_prompt_generate", *padding, **settings)
     batch = make_batch(by_batch, 3)
     encoded = [by_batch.encode_prompts([p]) for p in batch["prompt"]]
     prompt_tokens = [tuple(ids[0][mask[0].bool()].tolist()) for ids, mask in encoded]
@@ -305,7 +343,7 @@ def test_batch_generation_same_samples_as_one_call_per_prompt(make_trainer, pad_
         torch.manual_seed(0)
         samples = trainer.generate_samples(batch)
         calls[name] = [r.size(0) for r in seen]
-        check_samples(trainer, samples, batch, G, same_width=name == "batch")
+        check_samples(trainer, samples, batch, G, same_width=name == "batch", pad_to_max=not pad_to_longest)
     assert calls == {"batch": [3 * G], "prompt": [G, G, G]}
 
     # The same responses per prompt, whichever way they are generated: the same Samples, up to padding.
@@ -334,9 +372,9 @@ def test_batch_generation_same_samples_as_one_call_per_prompt(make_trainer, pad_
                 assert torch.equal(getattr(x, field), getattr(y, field)), field
 
 
-# ---------- 4. fast sampling draws from the same distribution ----------
+# ---------- 4. SampleKeptTokens draws from the same distribution ----------
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.9, 50, 1.0), (0.7, 4, 1.0), (1.0, 0, 0.8), (1.3, 5, 0.9), (1.0, 0, 1.0)])
-def test_fast_sampling_draws_from_generates_distribution(temperature, top_k, top_p):
+def test_sample_kept_tokens_draws_from_generates_distribution(temperature, top_k, top_p):
     # 12 ids; ids 3, 4 and 5 tie at the 4th-largest logit, so top_k=4 keeps 6 ids (HF keeps ties).
     logits = torch.tensor([[2.0, 1.5, 1.2, 0.9, 0.9, 0.9, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0]])
     expected = logits / temperature
@@ -359,12 +397,14 @@ def test_fast_sampling_draws_from_generates_distribution(temperature, top_k, top
     assert torch.allclose(frequency, expected, atol=0.005), (frequency, expected)  # 5 standard errors at most
 
 
-def test_fast_sampling_same_sequences_when_sampling_is_deterministic(make_trainer):
+def test_sample_kept_tokens_same_sequences_when_sampling_is_deterministic(make_trainer):
     # top_k=1 leaves one candidate per step: both paths must then produce identical sequences,
     # EOS handling and padding included.
     outputs = []
     for fast in (True, False):
-        trainer = make_trainer(num_generations=4, max_generate_length=12, top_k=1, fast_sampling=fast, batch_size=2)
+        trainer = make_trainer(num_generations=4, max_generate_length=12, top_k=1, batch_size=2)
+        if not fast:
+            use_seed_paths(trainer, "multinomial_sampling")  # generate's own do_sample=True
         assert (trainer.logits_processor is not None) == fast and trainer.generation_config.do_sample != fast
         samples = trainer.generate_samples(make_batch(trainer, 2))
         outputs.append(torch.cat([s.prompt_response_ids for s in samples]))

@@ -1,0 +1,108 @@
+"""The seed's slow paths, as monkeypatches on a DapoTrainer instance (train.py keeps the fast paths only).
+
+    from seed_paths import use_seed_paths
+    use_seed_paths(trainer)                        # every seed path
+    use_seed_paths(trainer, "full_log_softmax")    # one of them
+
+Each path gives the same results as train.py's (tests/test_performance.py checks it) at the seed's cost:
+
+- pad_to_max:          prompts left-padded to max_prompt_length, responses right-padded to
+                       max_generate_length, instead of to the longest in the batch
+- per_prompt_generate: one generate call per prompt instead of one per batch
+- full_log_softmax:    logits at every position and a float32 log-softmax over all of them
+                       ([N, P+T-1, V]), instead of the T response positions and selective_log_softmax
+- multinomial_sampling: generate's own do_sample=True (softmax + torch.multinomial over all V ids),
+                       instead of greedy generate over sampling_processors' SampleKeptTokens
+- old_log_prob_pass:   a no-grad pi_old pass even when num_iterations == 1 (where pi_old = pi_theta)
+"""
+
+import copy
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+SEED_PATHS = ("pad_to_max", "per_prompt_generate", "full_log_softmax", "multinomial_sampling", "old_log_prob_pass")
+
+
+def pad_to_max(trainer):
+    encode_prompts, generate_samples = trainer.encode_prompts, trainer.generate_samples
+    pad, P, T = trainer.tokenizer.pad_token_id, trainer.args.max_prompt_length, trainer.args.max_generate_length
+
+    def encode_to_max(prompts):
+        ids, mask = encode_prompts(prompts)  # [B, longest]
+        return F.pad(ids, (P - ids.size(1), 0), value=pad), F.pad(mask, (P - mask.size(1), 0))
+
+    def samples_to_max(inputs):  # responses end where generate stopped; pad them to the full budget
+        out = []
+        for s in generate_samples(inputs):
+            right = T - s.num_actions
+            out.append(dataclasses.replace(
+                s,
+                prompt_response_ids=F.pad(s.prompt_response_ids, (0, right), value=pad),
+                response_ids=F.pad(s.response_ids, (0, right), value=pad),
+                attention_mask=F.pad(s.attention_mask, (0, right)),
+                action_mask=F.pad(s.action_mask, (0, right)),
+                num_actions=T,
+            ))
+        return out
+
+    trainer.encode_prompts, trainer.generate_samples = encode_to_max, samples_to_max
+
+
+def per_prompt_generate(trainer):
+    generate_samples = trainer.generate_samples
+
+    def one_call_per_prompt(inputs):
+        n = len(inputs["prompt"])
+        return [s for i in range(n) for s in generate_samples({key: value[i : i + 1] for key, value in inputs.items()})]
+
+    trainer.generate_samples = one_call_per_prompt
+
+
+def full_log_softmax(trainer):
+    def get_action_log_probs(model, input_ids, attention_mask, num_actions, with_entropy=False):
+        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+        with trainer.autocast():
+            logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
+        if trainer.args.score_with_temperature:
+            logits = logits / trainer.args.temperature
+        all_log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)[:, -num_actions:]  # [N, T, V]
+        log_probs = all_log_probs.gather(-1, input_ids[:, -num_actions:].unsqueeze(-1)).squeeze(-1)  # [N, T]
+        if not with_entropy:
+            return log_probs
+        with torch.no_grad():
+            entropy = -(all_log_probs.exp() * all_log_probs).sum(dim=-1)  # H = -sum p log p
+        return log_probs, entropy
+
+    trainer.get_action_log_probs = get_action_log_probs
+
+
+def multinomial_sampling(trainer):
+    args = trainer.args
+    trainer.generation_config = copy.deepcopy(trainer.generation_config)
+    trainer.generation_config.update(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    trainer.logits_processor = None
+
+
+def old_log_prob_pass(trainer):
+    make_micro_batches = trainer.make_micro_batches
+
+    def with_old_log_probs(groups):
+        micro_batches = make_micro_batches(groups)
+        with torch.no_grad():
+            for inputs in micro_batches:
+                if inputs["old_action_log_probs"] is None:
+                    inputs["old_action_log_probs"] = trainer.get_action_log_probs(trainer.model, *trainer.model_inputs(inputs))
+        return micro_batches
+
+    trainer.make_micro_batches = with_old_log_probs
+
+
+def use_seed_paths(trainer, *paths):
+    """Apply the named seed paths (default: all of them) to `trainer`, in place; returns it."""
+    for name in paths or SEED_PATHS:
+        if name not in SEED_PATHS:
+            raise ValueError(f"unknown seed path {name!r}; choose from {SEED_PATHS}")
+        globals()[name](trainer)
+    return trainer
