@@ -9,7 +9,7 @@ import shutil
 import torch
 from transformers import AutoModelForCausalLM
 
-from curves import read_jsonl, read_seed_log
+from curves import read_jsonl, read_step_log
 
 TRAINER_STATE = "trainer_state.pt"  # in the newest checkpoint: optimizer, scheduler, loop state, RNG
 ARGS_FILE = "dapo_args.json"  # in each checkpoint: the DapoArguments used
@@ -107,7 +107,7 @@ def resume(trainer, checkpoint, cut_logs=True):
     for name in LOG_FILES[2:]:
         cut_log(os.path.join(out, name), lambda line: json.loads(line)["step"] <= step)
     trainer.history = read_jsonl(os.path.join(out, LOG_FILES[2]))
-    accuracies = read_seed_log(os.path.join(out, LOG_FILES[1]))  # the progress bar shows the last one
+    accuracies = read_step_log(os.path.join(out, LOG_FILES[1]))  # the progress bar shows the last one
     trainer.last_accuracy = accuracies[max(accuracies)] if accuracies else float("nan")
 
 

@@ -1,74 +1,128 @@
-"""output_dir/curves.png from a run's logs (python train.py --plot DIR draws it for any output folder)."""
+"""curves.png: what a run's logs in output_dir say, read at a glance.
+
+    plot_curves(output_dir) -> path of output_dir/curves.png
+
+Inputs (any may be missing; the seed's two text files alone are enough):
+    training_losses.txt  "k,loss" per micro-step; it belongs to optimizer step k + 1, and the lines
+                         of one step add up to that step's loss
+    accuracy_losses.txt  "step,accuracy" per evaluation (step 0 = before training)
+    metrics.jsonl        one record per optimizer step: "step", "reward", "rewards/<name>/mean",
+                         "completions/mean_length", "completions/max_length", "frac_groups_skipped"
+
+A run appends to these logs, so one folder may hold several runs. A step counter that goes back
+down starts a new run; for a step that appears in several runs the last run's value is drawn.
+
+Per-step series are noisy, so each is drawn faint with its moving average (`smooth`) over it; the
+held-out accuracy, measured only every eval_steps, is drawn with a marker at each evaluation.
+"""
 
 import contextlib
 import json
 import os
-from collections import defaultdict
+
+ACCURACY_COLOR = "tab:red"
+
+
+def read_step_log(path):
+    """{step: value} from "step,value" lines.
+
+    Lines of one step in one run add up (the micro-steps of an optimizer step). A step lower than
+    the line before starts a new run (logs are appended), and a later run's value for a step
+    replaces an earlier run's instead of adding to it.
+    """
+    values, run_of = {}, {}
+    run, previous = 0, None
+    if not os.path.exists(path):
+        return values
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            step_text, value_text = line.strip().split(",")
+            step, value = int(step_text), float(value_text)
+            if previous is not None and step < previous:
+                run += 1
+            previous = step
+            if run_of.get(step) == run:
+                values[step] += value
+            else:
+                values[step], run_of[step] = value, run
+    return values
 
 
 def read_jsonl(path):
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
+    """The records of a .jsonl log, in order; a line half-written by a crash is skipped."""
     records = []
-    for line in lines:
-        with contextlib.suppress(json.JSONDecodeError):  # a run that died mid-write leaves half a line
-            records.append(json.loads(line))
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in filter(str.strip, f):
+                with contextlib.suppress(json.JSONDecodeError):
+                    records.append(json.loads(line))
     return records
 
 
-def read_seed_log(path):
-    """{step: value} from a seed-format text log ("step,value" lines); values of one step are summed."""
-    values = defaultdict(float)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    step, value = line.strip().split(",")
-                    values[int(step)] += float(value)
-    return dict(values)
+def read_metrics(path):
+    """metrics.jsonl records, the last one for each step (a later run's replaces an earlier run's)."""
+    records = {record["step"]: record for record in read_jsonl(path)}
+    return [records[step] for step in sorted(records)]
+
+
+def smooth(values, window=None):
+    """Centred moving average: point i is the mean of values[i - h : i + h + 1], h = window // 2,
+    with the window cut short at both ends. window=None picks about a tenth of the series (odd)."""
+    values = list(values)
+    n = len(values)
+    if window is None:
+        window = 2 * (n // 20) + 1
+    half = max(0, window // 2)
+    prefix = [0.0]
+    for v in values:
+        prefix.append(prefix[-1] + v)
+    smoothed = []
+    for i in range(n):
+        lo, hi = max(0, i - half), min(n, i + half + 1)
+        smoothed.append((prefix[hi] - prefix[lo]) / (hi - lo))
+    return smoothed
 
 
 def plot_curves(output_dir):
-    """Draw output_dir/curves.png from the logs there; the seed's two text files are enough.
+    """Draw output_dir/curves.png from the logs there and return its path.
 
-    Panels: loss and accuracy (the text files), and from metrics.jsonl when present: mean reward,
-    total and per function; response length; fraction of groups skipped by dynamic sampling.
+    Panels: held-out accuracy (evaluation points), mean reward (total and per function), loss, and
+    from metrics.jsonl also response length and the fraction of groups skipped by dynamic sampling.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # A micro-step line "k,loss" belongs to optimizer step k + 1; its lines add up to that step's loss.
-    losses = {step + 1: value for step, value in read_seed_log(os.path.join(output_dir, "training_losses.txt")).items()}
-    accuracy = read_seed_log(os.path.join(output_dir, "accuracy_losses.txt"))
-    records = read_jsonl(os.path.join(output_dir, "metrics.jsonl"))
-    panels = [("loss", {"loss": losses}), ("accuracy", {"accuracy": accuracy})]
+    losses = {step + 1: value for step, value in read_step_log(os.path.join(output_dir, "training_losses.txt")).items()}
+    accuracy = read_step_log(os.path.join(output_dir, "accuracy_losses.txt"))
+    records = read_metrics(os.path.join(output_dir, "metrics.jsonl"))
+
+    def series(key):
+        return {r["step"]: r[key] for r in records if key in r}
+
+    panels = [("held-out accuracy (test split)", None), ("loss", {"loss": losses})]
     if records:
-        series = lambda key: {r["step"]: r[key] for r in records if key in r}  # noqa: E731
-        reward_keys = sorted(
-            {key for r in records for key in r if key.startswith("rewards/") and key.endswith("/mean")}
-        )
+        reward_keys = sorted({key for r in records for key in r if key.startswith("rewards/") and key.endswith("/mean")})
+        panels.insert(1, ("mean reward per response", {"total": series("reward"), **{key.split("/")[1]: series(key) for key in reward_keys}}))
         panels += [
-            ("mean reward", {"total": series("reward"), **{key.split("/")[1]: series(key) for key in reward_keys}}),
-            (
-                "response length (tokens)",
-                {"mean": series("completions/mean_length"), "max": series("completions/max_length")},
-            ),
-            ("groups skipped (fraction)", {"skipped": series("frac_groups_skipped")}),
+            ("response length (tokens)", {"mean": series("completions/mean_length"), "max": series("completions/max_length")}),
+            ("groups skipped by dynamic sampling (fraction)", {"skipped": series("frac_groups_skipped")}),
         ]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels)), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.3 * len(panels) + 0.4), sharex=True, squeeze=False)
     for ax, (title, lines) in zip(axes[:, 0], panels):
-        for label, points in lines.items():
-            if points:
-                steps = sorted(points)
-                ax.plot(steps, [points[s] for s in steps], marker="." if len(steps) < 30 else None, label=label)
-        ax.set_title(title, fontsize=10)
+        if lines is None:
+            draw_accuracy(ax, accuracy)
+        else:
+            for index, (label, points) in enumerate(lines.items()):
+                if points:
+                    draw_series(ax, points, label, f"C{index}")
+        ax.set_title(title, fontsize=10, loc="left")
         ax.grid(alpha=0.3)
-        if len(lines) > 1:
-            ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # outside the axes, right: never over the data
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     axes[-1, 0].set_xlabel("update step")
     fig.tight_layout()
     path = os.path.join(output_dir, "curves.png")
@@ -76,3 +130,28 @@ def plot_curves(output_dir):
     plt.close(fig)
     os.replace(path + ".tmp.png", path)
     return path
+
+
+def draw_series(ax, points, label, color):
+    """A per-step series: the raw values faint, their moving average solid and labelled."""
+    steps = sorted(points)
+    values = [points[s] for s in steps]
+    if len(steps) < 10:  # too short to smooth: the points themselves
+        ax.plot(steps, values, color=color, marker=".", label=label)
+        return
+    ax.plot(steps, values, color=color, alpha=0.2, linewidth=0.8)
+    ax.plot(steps, smooth(values), color=color, linewidth=1.8, label=f"{label} (moving avg)")
+
+
+def draw_accuracy(ax, accuracy):
+    """The evaluations as markers joined by a line, the first and last value written next to them."""
+    if not accuracy:
+        ax.text(0.5, 0.5, "no evaluation yet", transform=ax.transAxes, ha="center", va="center", color="gray")
+        return
+    steps = sorted(accuracy)
+    values = [accuracy[s] for s in steps]
+    ax.plot(steps, values, color=ACCURACY_COLOR, marker="o", markersize=5, linewidth=1.8, label="accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.annotate(f"{values[0]:.2f}", (steps[0], values[0]), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    if len(steps) > 1:
+        ax.annotate(f"{values[-1]:.2f}", (steps[-1], values[-1]), textcoords="offset points", xytext=(-10, 8), fontsize=8, ha="right")

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from datasets import load_dataset
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
-from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from kernels import sampling_processors, selective_log_softmax
 from checkpoints import LOG_FILES, checkpoint_arguments, find_checkpoint, find_checkpoints, resume, save_checkpoint
 from reward_func import correctness_reward, digit_reward, extract_answer, hard_format_reward, is_correct, mark_reward
 from reward_func import load_reward_models, normalize_answer, reward_func_name, reward_model_scores
@@ -369,84 +369,6 @@ def aggregate_loss(per_token_loss, mask, mode, num_generations, normaliser=None)
         total = (per_token_loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum()
     normaliser = loss_normaliser(mask, mode, num_generations) if normaliser is None else normaliser
     return total / max(normaliser, 1)
-
-
-class SampleKeptTokens(LogitsProcessor):
-    """Draw the next token from softmax(scores), looking only at the tokens the warpers kept.
-
-    generate's torch.multinomial walks all 151,936 ids of Qwen's vocabulary (a third of a CPU decode step);
-    over the ~50 that top-k keeps it costs nothing. Same distribution (ties at the top-k boundary included),
-    other random draws. Returns 0 at the drawn token and -inf elsewhere, for generate's greedy argmax.
-    """
-
-    def __call__(self, input_ids, scores):  # scores: [N, V], -inf where a warper removed a token
-        num_kept = int(torch.isfinite(scores).sum(dim=-1).max())
-        if num_kept == scores.size(-1):  # nothing removed (top_k 0, top_p 1)
-            drawn = torch.multinomial(scores.softmax(dim=-1), 1)  # [N, 1]
-        else:
-            kept_scores, kept_ids = scores.topk(num_kept, dim=-1)  # [N, K]
-            drawn = kept_ids.gather(-1, torch.multinomial(kept_scores.softmax(dim=-1), 1))  # [N, 1]
-        return torch.full_like(scores, -math.inf).scatter_(-1, drawn, 0.0)
-
-
-def sampling_processors(temperature, top_k, top_p):
-    """Hugging Face's own warpers, in generate's order, then SampleKeptTokens (for greedy generate)."""
-    processors = LogitsProcessorList()
-    if temperature != 1.0:
-        processors.append(TemperatureLogitsWarper(temperature))
-    if top_k:
-        processors.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        processors.append(TopPLogitsWarper(top_p))
-    processors.append(SampleKeptTokens())
-    return processors
-
-
-class SelectiveLogSoftmax(torch.autograd.Function):
-    """Row by row: log softmax(x)[label] with its gradient, and the entropy of softmax(x) without one.
-
-    Per row of [T, V] logits, one exp(x - max) buffer gives the logsumexp and, with one more multiply-add,
-    the entropy H = lse - E_p[x]. Backward writes d log p[label] / dx = onehot - softmax(x) straight into
-    the gradient. Nothing of size [N, T, V] is kept beyond the logits (log_softmax would keep its output).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, labels):
-        N, T, V = logits.shape
-        log_probs = torch.empty(N, T, dtype=torch.float32, device=logits.device)  # [N, T]
-        entropy, lse = torch.empty_like(log_probs), torch.empty_like(log_probs)  # [N, T]
-        buffer = torch.empty(T, V, dtype=torch.float32, device=logits.device)  # reused by every row
-        for i in range(N):
-            row = logits[i].float()  # [T, V]; a copy only when the logits are bf16
-            peak = row.amax(dim=-1, keepdim=True)  # [T, 1]
-            total = torch.sub(row, peak, out=buffer).exp_().sum(dim=-1)  # [T]
-            lse[i] = peak.squeeze(-1) + total.log()
-            entropy[i] = lse[i] - buffer.mul_(row).sum(dim=-1) / total
-            log_probs[i] = row.gather(-1, labels[i].unsqueeze(-1)).squeeze(-1) - lse[i]
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.mark_non_differentiable(entropy)
-        return log_probs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
-        logits, labels, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)  # [N, T, V]
-        as_float32 = logits.dtype == torch.float32
-        buffer = None if as_float32 else torch.empty(logits.shape[1:], dtype=torch.float32, device=logits.device)
-        for i in range(logits.size(0)):
-            g = grad_log_probs[i].unsqueeze(-1)  # [T, 1]
-            out = grad[i] if as_float32 else buffer
-            torch.sub(logits[i].float(), lse[i].unsqueeze(-1), out=out).exp_().mul_(-g)  # -g * softmax(x)
-            out.scatter_add_(-1, labels[i].unsqueeze(-1), g)  # + g at the label
-            if not as_float32:
-                grad[i].copy_(buffer)
-        return grad, None
-
-
-def selective_log_softmax(logits, labels):
-    """logits [N, T, V] (any float dtype), labels [N, T] -> (log_probs [N, T], entropy [N, T]), both float32;
-    only log_probs carries a gradient. Peak extra memory is one row's [T, V]."""
-    return SelectiveLogSoftmax.apply(logits, labels)
 
 
 def pad_and_cat_groups(groups, pad_token_id):

@@ -11,7 +11,8 @@ import torch
 
 from conftest import SEED_REWARDS, as_micro_batch, make_batch, scripted_sampler, stub_log_probs, token_ids
 from reward_func import correctness_reward as real_correctness_reward
-from train import DapoArguments, aggregate_loss, build_args, keep_groups, loss_normaliser, main, paper_preset, parse_cli
+from cli import parse_cli
+from train import DapoArguments, aggregate_loss, build_args, keep_groups, loss_normaliser, main, paper_preset
 from train import soft_overlong_punishment
 
 # Several tests replace optimizer.step to capture gradients; the LR scheduler warns about that.
@@ -473,11 +474,11 @@ def test_paper_preset_and_overrides():
     assert (seed.filter_metric, seed.loss_agg_mode, seed.overlong_buffer_len, seed.weight_decay, seed.warmup_steps, seed.max_grad_norm) == (
         "reward", "seed", 0, 0.0, 0, 0.0
     )
-    cli, overrides = parse_cli(["--preset", "paper", "--lr=1e-5"])
+    cli, overrides = parse_cli(DapoArguments, ["--preset", "paper", "--lr=1e-5"])
     assert cli.preset == "paper" and overrides == {"lr": 1e-5}
     args = build_args(cli.preset, overrides)
     assert args.lr == 1e-5 and args.filter_metric == "correctness" and args.weight_decay == 0.1
-    assert parse_cli([])[0].preset == "seed"
+    assert parse_cli(DapoArguments, [])[0].preset == "seed"
     assert DapoArguments().filter_metric == "reward"
 
 

@@ -1,5 +1,6 @@
 """Tests for tiny_world: everything is checked after reloading from disk, as train.py would."""
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 # The repo root, where tiny_world.py and train.py live.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import curves  # noqa: E402
 import tiny_world  # noqa: E402
 from train import SYSTEM_PROMPT  # noqa: E402
 
@@ -24,7 +26,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("world"))
-    return tiny_world.build_tiny_world(root, num_train=40, num_test=10)  # (model_dir, data_dir)
+    return tiny_world.build_tiny_world(root, SYSTEM_PROMPT, num_train=40, num_test=10)  # (model_dir, data_dir)
 
 
 @pytest.fixture(scope="module")
@@ -176,4 +178,59 @@ def test_build_fails_loudly_if_the_reloaded_tokenizer_loses_characters(tmp_path,
     assert in_memory.decode(in_memory.encode(QUESTION)) == QUESTION  # fine until saved and reloaded
     monkeypatch.setattr(tiny_world, "build_tokenizer", char_level_tokenizer)
     with pytest.raises(RuntimeError, match="does not round-trip"):
-        tiny_world.build_tiny_world(str(tmp_path), num_train=4, num_test=2)
+        tiny_world.build_tiny_world(str(tmp_path), SYSTEM_PROMPT, num_train=4, num_test=2)
+
+
+# ---------- curves.png ----------
+def is_png(path):
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_smooth_is_a_centred_moving_average():
+    assert curves.smooth([0, 2, 4, 6, 8], window=3) == [1, 2, 4, 6, 7]  # cut short at both ends
+    assert curves.smooth([0, 2, 4, 6, 8], window=1) == [0, 2, 4, 6, 8]
+    assert curves.smooth([3.0] * 7) == [3.0] * 7
+    ramp = list(range(60))  # default window: 2 * (60 // 20) + 1 = 7, a straight line stays put inside
+    assert curves.smooth(ramp)[3:-3] == pytest.approx(ramp[3:-3])
+    assert curves.smooth(ramp)[0] == pytest.approx(1.5)  # mean of 0..3
+    assert curves.smooth([]) == []
+
+
+def test_appended_second_run_does_not_add_to_the_first(tmp_path):
+    # Run 1: two micro-steps per step for steps 1 and 2; run 2 (appended) starts again at step 1.
+    (tmp_path / "training_losses.txt").write_text("0,0.1\n0,0.2\n1,0.5\n1,0.5\n0,0.25\n0,0.25\n")
+    (tmp_path / "accuracy_losses.txt").write_text("0,0.10\n2,0.40\n0,0.20\n")
+    assert curves.read_step_log(str(tmp_path / "training_losses.txt")) == pytest.approx({0: 0.5, 1: 1.0})
+    assert curves.read_step_log(str(tmp_path / "accuracy_losses.txt")) == pytest.approx({0: 0.2, 2: 0.4})
+    records = [{"step": s, "reward": r} for s, r in ((1, 1.0), (2, 2.0), (1, 5.0))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert curves.read_metrics(str(tmp_path / "metrics.jsonl")) == [{"step": 1, "reward": 5.0}, {"step": 2, "reward": 2.0}]
+
+
+def test_plot_curves_draws_faint_raw_series_under_their_moving_average(tmp_path, monkeypatch):
+    steps = range(1, 61)
+    (tmp_path / "training_losses.txt").write_text("".join(f"{s - 1},{0.01 * (s % 7)}\n" for s in steps))
+    (tmp_path / "accuracy_losses.txt").write_text("0,0.15\n30,0.40\n60,0.62\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "reward": 0.02 * s + 0.3 * (s % 2), "rewards/correctness_reward/mean": 0.01 * s,
+                    "completions/mean_length": 12, "completions/max_length": 20, "frac_groups_skipped": 0.25}) + "\n"
+        for s in steps
+    ))
+    drawn = []  # (label, steps, raw values, smoothed values) of every per-step series
+    original = curves.draw_series
+
+    def spy(ax, points, label, color):
+        original(ax, points, label, color)
+        raw, smoothed = ax.get_lines()[-2:]
+        drawn.append((label, list(raw.get_xdata()), list(raw.get_ydata()), list(smoothed.get_ydata()), raw.get_alpha()))
+
+    monkeypatch.setattr(curves, "draw_series", spy)
+    path = curves.plot_curves(str(tmp_path))
+    assert path == str(tmp_path / "curves.png") and is_png(path)
+    by_label = {label: rest for label, *rest in drawn}
+    assert {"total", "correctness_reward", "loss", "mean", "max", "skipped"} <= set(by_label)
+    x, raw, smoothed, alpha = by_label["total"]
+    assert x == list(steps) and raw == pytest.approx([0.02 * s + 0.3 * (s % 2) for s in steps])
+    assert smoothed == pytest.approx(curves.smooth(raw)) and alpha < 0.5  # faint raw, solid average
+    assert by_label["loss"][0] == list(steps)  # micro-step line k belongs to step k + 1

@@ -1,0 +1,92 @@
+"""The two measured speed-ups train.py relies on (benchmarks/bench.py and benchmarks/log_probs.py, README
+"Performance"): each computes exactly what the plain version computes, with less time and memory.
+
+    sampling_processors / SampleKeptTokens   draw each token among the ids top-k / top-p keep (19% less
+                                             sampling time than generate's multinomial over 151,936 ids)
+    selective_log_softmax                    log-probs of the labels and the entropy, row by row, with a
+                                             hand-written backward (1.6x faster, half the peak memory)
+"""
+
+import math
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers import TopPLogitsWarper
+
+
+class SampleKeptTokens(LogitsProcessor):
+    """Draw the next token from softmax(scores), looking only at the tokens the warpers kept.
+
+    generate's torch.multinomial walks all 151,936 ids of Qwen's vocabulary (a third of a CPU decode step);
+    over the ~50 that top-k keeps it costs nothing. Same distribution (ties at the top-k boundary included),
+    other random draws. Returns 0 at the drawn token and -inf elsewhere, for generate's greedy argmax.
+    """
+
+    def __call__(self, input_ids, scores):  # scores: [N, V], -inf where a warper removed a token
+        num_kept = int(torch.isfinite(scores).sum(dim=-1).max())
+        if num_kept == scores.size(-1):  # nothing removed (top_k 0, top_p 1)
+            drawn = torch.multinomial(scores.softmax(dim=-1), 1)  # [N, 1]
+        else:
+            kept_scores, kept_ids = scores.topk(num_kept, dim=-1)  # [N, K]
+            drawn = kept_ids.gather(-1, torch.multinomial(kept_scores.softmax(dim=-1), 1))  # [N, 1]
+        return torch.full_like(scores, -math.inf).scatter_(-1, drawn, 0.0)
+
+
+def sampling_processors(temperature, top_k, top_p):
+    """Hugging Face's own warpers, in generate's order, then SampleKeptTokens (for greedy generate)."""
+    processors = LogitsProcessorList()
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    processors.append(SampleKeptTokens())
+    return processors
+
+
+class SelectiveLogSoftmax(torch.autograd.Function):
+    """Row by row: log softmax(x)[label] with its gradient, and the entropy of softmax(x) without one.
+
+    Per row of [T, V] logits, one exp(x - max) buffer gives the logsumexp and, with one more multiply-add,
+    the entropy H = lse - E_p[x]. Backward writes d log p[label] / dx = onehot - softmax(x) straight into
+    the gradient. Nothing of size [N, T, V] is kept beyond the logits (log_softmax would keep its output).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        N, T, V = logits.shape
+        log_probs = torch.empty(N, T, dtype=torch.float32, device=logits.device)  # [N, T]
+        entropy, lse = torch.empty_like(log_probs), torch.empty_like(log_probs)  # [N, T]
+        buffer = torch.empty(T, V, dtype=torch.float32, device=logits.device)  # reused by every row
+        for i in range(N):
+            row = logits[i].float()  # [T, V]; a copy only when the logits are bf16
+            peak = row.amax(dim=-1, keepdim=True)  # [T, 1]
+            total = torch.sub(row, peak, out=buffer).exp_().sum(dim=-1)  # [T]
+            lse[i] = peak.squeeze(-1) + total.log()
+            entropy[i] = lse[i] - buffer.mul_(row).sum(dim=-1) / total
+            log_probs[i] = row.gather(-1, labels[i].unsqueeze(-1)).squeeze(-1) - lse[i]
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.mark_non_differentiable(entropy)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # [N, T, V]
+        as_float32 = logits.dtype == torch.float32
+        buffer = None if as_float32 else torch.empty(logits.shape[1:], dtype=torch.float32, device=logits.device)
+        for i in range(logits.size(0)):
+            g = grad_log_probs[i].unsqueeze(-1)  # [T, 1]
+            out = grad[i] if as_float32 else buffer
+            torch.sub(logits[i].float(), lse[i].unsqueeze(-1), out=out).exp_().mul_(-g)  # -g * softmax(x)
+            out.scatter_add_(-1, labels[i].unsqueeze(-1), g)  # + g at the label
+            if not as_float32:
+                grad[i].copy_(buffer)
+        return grad, None
+
+
+def selective_log_softmax(logits, labels):
+    """logits [N, T, V] (any float dtype), labels [N, T] -> (log_probs [N, T], entropy [N, T]), both float32;
+    only log_probs carries a gradient. Peak extra memory is one row's [T, V]."""
+    return SelectiveLogSoftmax.apply(logits, labels)
