@@ -16,7 +16,7 @@ ARGS_FILE = "dapo_args.json"  # in each checkpoint: the DapoArguments used
 LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl")  # in output_dir
 # What one optimizer step is made of: changing one of these on resume would silently change the run.
 STEP_SETTINGS = ("num_generations", "batch_size", "gradient_accumulation_steps", "steps_per_generation")
-STEP_SETTINGS += ("num_iterations", "loss_agg_mode", "filter_metric", "seed")
+STEP_SETTINGS += ("num_iterations", "loss_agg_mode", "filter_metric", "seed", "use_vllm")
 
 
 def checkpoint_path(output_dir, step):
@@ -80,7 +80,7 @@ def resume(trainer, checkpoint, cut_logs=True):
     with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as f:
         saved_args = json.load(f)
     changed = [
-        f"{k} ({saved_args[k]!r} -> {getattr(args, k)!r})" for k in STEP_SETTINGS if saved_args[k] != getattr(args, k)
+        f"{k} ({saved_args.get(k)!r} -> {getattr(args, k)!r})" for k in STEP_SETTINGS if saved_args.get(k) != getattr(args, k)
     ]
     if changed:
         raise ValueError(f"cannot resume {checkpoint} with other step settings: {', '.join(changed)}; start a new run")

