@@ -80,7 +80,9 @@ def resume(trainer, checkpoint, cut_logs=True):
     with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as f:
         saved_args = json.load(f)
     changed = [
-        f"{k} ({saved_args.get(k)!r} -> {getattr(args, k)!r})" for k in STEP_SETTINGS if saved_args.get(k) != getattr(args, k)
+        f"{k} ({saved_args.get(k)!r} -> {getattr(args, k)!r})"
+        for k in STEP_SETTINGS
+        if saved_args.get(k) != getattr(args, k)
     ]
     if changed:
         raise ValueError(f"cannot resume {checkpoint} with other step settings: {', '.join(changed)}; start a new run")

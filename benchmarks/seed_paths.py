@@ -37,14 +37,16 @@ def pad_to_max(trainer):
         out = []
         for s in generate_samples(inputs):
             right = T - s.num_actions
-            out.append(dataclasses.replace(
-                s,
-                prompt_response_ids=F.pad(s.prompt_response_ids, (0, right), value=pad),
-                response_ids=F.pad(s.response_ids, (0, right), value=pad),
-                attention_mask=F.pad(s.attention_mask, (0, right)),
-                action_mask=F.pad(s.action_mask, (0, right)),
-                num_actions=T,
-            ))
+            out.append(
+                dataclasses.replace(
+                    s,
+                    prompt_response_ids=F.pad(s.prompt_response_ids, (0, right), value=pad),
+                    response_ids=F.pad(s.response_ids, (0, right), value=pad),
+                    attention_mask=F.pad(s.attention_mask, (0, right)),
+                    action_mask=F.pad(s.action_mask, (0, right)),
+                    num_actions=T,
+                )
+            )
         return out
 
     trainer.encode_prompts, trainer.generate_samples = encode_to_max, samples_to_max
@@ -93,7 +95,9 @@ def old_log_prob_pass(trainer):
         with torch.no_grad():
             for inputs in micro_batches:
                 if inputs["old_action_log_probs"] is None:
-                    inputs["old_action_log_probs"] = trainer.get_action_log_probs(trainer.model, *trainer.model_inputs(inputs))
+                    inputs["old_action_log_probs"] = trainer.get_action_log_probs(
+                        trainer.model, *trainer.model_inputs(inputs)
+                    )
         return micro_batches
 
     trainer.make_micro_batches = with_old_log_probs

@@ -30,7 +30,13 @@ def make_trainer(world, tmp_path):
     model_dir, data_dir = world
 
     def make(reward_funcs=None, model=None, **overrides):
-        settings = {"model_path": model_dir, "data_path": data_dir, "output_dir": str(tmp_path / "output"), **FAST, **overrides}
+        settings = {
+            "model_path": model_dir,
+            "data_path": data_dir,
+            "output_dir": str(tmp_path / "output"),
+            **FAST,
+            **overrides,
+        }
         args = DapoArguments(**settings)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         return DapoTrainer(

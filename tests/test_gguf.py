@@ -24,7 +24,11 @@ def gguf_path():
 def trainer(gguf_path, tmp_path_factory):
     problems = [{"prompt": p["question_zh-cn"], "answer": p["answer_only"]} for p in make_problems(3, seed=0)]
     args = DapoArguments(
-        model_path=gguf_path, device="cpu", num_generations=2, max_generate_length=16, num_iterations=2,
+        model_path=gguf_path,
+        device="cpu",
+        num_generations=2,
+        max_generate_length=16,
+        num_iterations=2,
         output_dir=str(tmp_path_factory.mktemp("gguf")),
     )
     return DapoTrainer(gguf_path, list(SEED_REWARDS), args, problems, problems, tokenizer=gguf_path)
@@ -32,13 +36,18 @@ def trainer(gguf_path, tmp_path_factory):
 
 def test_gguf_loads_as_float32_with_pad_equal_to_eos(trainer):
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
-    assert trainer.tokenizer.pad_token_id == trainer.tokenizer.eos_token_id  # <|im_end|>: the case the seed's masks got wrong
+    assert (
+        trainer.tokenizer.pad_token_id == trainer.tokenizer.eos_token_id
+    )  # <|im_end|>: the case the seed's masks got wrong
     assert trainer.model.config.num_hidden_layers == 30
 
 
 def test_experiences_masks_and_log_probs(trainer):
     torch.manual_seed(0)
-    batch = {"prompt": [trainer.train_dataset[0]["prompt"]], "answer": torch.tensor([trainer.train_dataset[0]["answer"]])}
+    batch = {
+        "prompt": [trainer.train_dataset[0]["prompt"]],
+        "answer": torch.tensor([trainer.train_dataset[0]["answer"]]),
+    }
     samples = trainer.generate_samples(batch)[0]
     G, T = samples.response_ids.shape
     assert G == 2 and T <= 16 and samples.prompt_response_ids.shape == samples.attention_mask.shape
@@ -67,7 +76,9 @@ def test_experiences_masks_and_log_probs(trainer):
 def test_generate_experiences_and_evaluate(trainer):
     torch.manual_seed(1)
     rows = [trainer.train_dataset[i] for i in range(3)]
-    exp = trainer.generate_experiences({"prompt": [r["prompt"] for r in rows], "answer": torch.tensor([r["answer"] for r in rows])})
+    exp = trainer.generate_experiences(
+        {"prompt": [r["prompt"] for r in rows], "answer": torch.tensor([r["answer"] for r in rows])}
+    )
     for key in GROUP_KEYS:
         assert len(exp[key]) == len(exp["advantages"])
     for adv in exp["advantages"]:

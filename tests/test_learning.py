@@ -11,7 +11,13 @@ def test_demo_learns_in_300_steps(tmp_path):
     # lr 1e-3, num_generations 8, max_generate_length 32, seed 42, 300 update steps.
     trainer = main(["--demo", f"--output_dir={tmp_path / 'demo'}", "--eval_steps=100"])
     args = trainer.args
-    assert (args.lr, args.num_generations, args.max_generate_length, args.max_steps, args.seed) == (1e-3, 8, 32, 300, 42)
+    assert (args.lr, args.num_generations, args.max_generate_length, args.max_steps, args.seed) == (
+        1e-3,
+        8,
+        32,
+        300,
+        42,
+    )
     rewards = [record["reward"] for record in trainer.history]
     assert trainer.update_steps == 300 and len(rewards) == 300
     first, last = sum(rewards[:50]) / 50, sum(rewards[-50:]) / 50

@@ -17,11 +17,30 @@ from train import DapoArguments, main
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 
 REQUIRED_METRICS = {
-    "step", "loss", "learning_rate", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "frac_groups_skipped",
-    "skipped_groups", "num_gen_batches", "clip_ratio/low_mean", "clip_ratio/high_mean", "entropy",
-    "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
-    "time/sampling", "time/reward", "time/old_ref_log_probs", "time/training", "num_tokens",
-    "sampled_tokens_per_second", "train_tokens_per_second",
+    "step",
+    "loss",
+    "learning_rate",
+    "grad_norm",
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "frac_groups_skipped",
+    "skipped_groups",
+    "num_gen_batches",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "entropy",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "time/sampling",
+    "time/reward",
+    "time/old_ref_log_probs",
+    "time/training",
+    "num_tokens",
+    "sampled_tokens_per_second",
+    "train_tokens_per_second",
 }
 REWARD_NAMES = ("correctness_reward", "digit_reward", "hard_format_reward", "mark_reward")
 
@@ -69,8 +88,20 @@ def test_plot_from_seed_files_alone(tmp_path):
     assert is_png(tmp_path / "curves.png")
     small = os.path.getsize(tmp_path / "curves.png")
     (tmp_path / "metrics.jsonl").write_text(
-        "".join(json.dumps({"step": s, "reward": 0.1 * s, "rewards/mark_reward/mean": 0.1, "completions/mean_length": 5,
-                            "completions/max_length": 8, "frac_groups_skipped": 0.5}) + "\n" for s in (1, 2))
+        "".join(
+            json.dumps(
+                {
+                    "step": s,
+                    "reward": 0.1 * s,
+                    "rewards/mark_reward/mean": 0.1,
+                    "completions/mean_length": 5,
+                    "completions/max_length": 8,
+                    "frac_groups_skipped": 0.5,
+                }
+            )
+            + "\n"
+            for s in (1, 2)
+        )
     )
     plot_curves(str(tmp_path))
     assert os.path.getsize(tmp_path / "curves.png") > small  # three more panels
@@ -82,14 +113,18 @@ def comparable(records):
 
 
 def outputs(out):
-    return {name: read(os.path.join(out, name)) for name in ("training_losses.txt", "accuracy_losses.txt", "samples.jsonl")}
+    return {
+        name: read(os.path.join(out, name)) for name in ("training_losses.txt", "accuracy_losses.txt", "samples.jsonl")
+    }
 
 
 def load_trainer_state(checkpoint):
     return torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=True)  # no arbitrary unpickling
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(num_iterations=2, batch_size=2)], ids=["seed", "iterations2-batch2"])
+@pytest.mark.parametrize(
+    "overrides", [dict(), dict(num_iterations=2, batch_size=2)], ids=["seed", "iterations2-batch2"]
+)
 def test_crash_and_resume_equals_an_uninterrupted_run(make_trainer, tmp_path, overrides):
     settings = dict(max_steps=6, save_steps=3, eval_steps=2, **overrides)
     reference = make_trainer(output_dir=str(tmp_path / "a"), **settings)
@@ -113,7 +148,16 @@ def test_crash_and_resume_equals_an_uninterrupted_run(make_trainer, tmp_path, ov
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == ["checkpoint_3"]  # no .tmp left
     # training_losses.txt is written at step ends: nothing of the unfinished step 5. Step 4's lines, written after
     # checkpoint_3, are the ones the resume must drop.
-    assert [int(line.split(",")[0]) for line in read(os.path.join(out, "training_losses.txt")).split()] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [int(line.split(",")[0]) for line in read(os.path.join(out, "training_losses.txt")).split()] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+    ]
     assert read(os.path.join(out, "accuracy_losses.txt")).count("\n4,") == 1
     assert [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3, 4]
     loop = load_trainer_state(os.path.join(out, "checkpoint_3"))["loop"]
@@ -161,7 +205,9 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes(make_trainer, tmp_path):
     out = interrupted.args.output_dir
     checkpoint = os.path.join(out, "checkpoint_3")
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == ["checkpoint_3"]
-    assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "dapo_args.json"} <= set(os.listdir(checkpoint))
+    assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "dapo_args.json"} <= set(
+        os.listdir(checkpoint)
+    )
     state = load_trainer_state(checkpoint)
     assert state["loop"]["update_steps"] == 3 and state["optimizer"]["state"]
     with open(os.path.join(checkpoint, "dapo_args.json")) as f:

@@ -62,7 +62,10 @@ def test_aggregate_loss_three_modes_by_hand():
     assert agg("token-mean") == pytest.approx(TOKEN_MEAN_LOSS, abs=1e-6)
     assert agg("seq-mean-token-mean") == pytest.approx(SEQ_MEAN_LOSS, abs=1e-6)
     # The three really differ on these inputs (unequal lengths within and across groups).
-    assert min(abs(SEED_LOSS - TOKEN_MEAN_LOSS), abs(SEED_LOSS - SEQ_MEAN_LOSS), abs(TOKEN_MEAN_LOSS - SEQ_MEAN_LOSS)) > 0.08  # 0.098, 0.083, 0.182
+    assert (
+        min(abs(SEED_LOSS - TOKEN_MEAN_LOSS), abs(SEED_LOSS - SEQ_MEAN_LOSS), abs(TOKEN_MEAN_LOSS - SEQ_MEAN_LOSS))
+        > 0.08
+    )  # 0.098, 0.083, 0.182
     # A micro-batch's units: 11 tokens, 4 responses, 2 groups.
     assert [loss_normaliser(AGG_MASK, mode, 2) for mode in ("token-mean", "seq-mean-token-mean", "seed")] == [11, 4, 2]
     # Its share of a step whose micro-batches hold 25 tokens in all: 20 / 25 = 0.8.
@@ -148,7 +151,9 @@ def test_keep_groups_on_correctness():
             [False, True, True, True],  # mixed: kept
         ]
     )
-    advantages = torch.tensor([[1.0, -1.0, 0.0, 0.0], [0.5, -0.5, 0.5, -0.5], [0.0, 0.0, 0.0, 0.0], [1.5, -0.5, -0.5, -0.5]])
+    advantages = torch.tensor(
+        [[1.0, -1.0, 0.0, 0.0], [0.5, -0.5, 0.5, -0.5], [0.0, 0.0, 0.0, 0.0], [1.5, -0.5, -0.5, -0.5]]
+    )
     assert keep_groups(advantages, correct, "correctness").tolist() == [False, False, True, True]
     assert keep_groups(advantages, correct, "reward").tolist() == [True, True, False, True]  # non-zero advantages
     assert keep_groups(advantages, correct, "none").tolist() == [True, True, True, True]
@@ -192,7 +197,9 @@ def test_correctness_filter_with_the_real_reward(make_trainer):
     #   "<think>\n1\n</think>\n<answer>\nA\n</answer>\n": 2 + 0.5       + 0.5    + 0.5        = 3.5
     # The seed's rule keeps the group; the paper's drops it (all correct: no accuracy signal).
     for filter_metric, expected_kept in (("reward", 1), ("correctness", 0)):
-        trainer = make_trainer(reward_funcs=list(SEED_REWARDS), num_generations=2, max_generate_length=16, filter_metric=filter_metric)
+        trainer = make_trainer(
+            reward_funcs=list(SEED_REWARDS), num_generations=2, max_generate_length=16, filter_metric=filter_metric
+        )
         tok, batch = trainer.tokenizer, make_batch(trainer)
         answer = int(batch["answer"][0])
         short = token_ids(tok, f"<answer>\n{answer}\n</answer>\n") + [tok.eos_token_id]
@@ -207,7 +214,9 @@ def test_correctness_filter_with_the_real_reward(make_trainer):
 def test_correctness_filter_needs_correctness_reward(make_trainer):
     with pytest.raises(ValueError, match="correctness_reward"):
         make_trainer(reward_funcs=[varied], filter_metric="correctness")
-    assert make_trainer(reward_funcs=[real_correctness_reward], filter_metric="correctness").reward_names == ["correctness_reward"]
+    assert make_trainer(reward_funcs=[real_correctness_reward], filter_metric="correctness").reward_names == [
+        "correctness_reward"
+    ]
 
 
 # ---------- 4. max_num_gen_batches ----------
@@ -233,7 +242,15 @@ def num_gen_batches_trainer(make_trainer, rounds, max_num_gen_batches):
     def alternating(prompts, responses, answers):  # (evaluation scores rewards too, so count rounds, not calls)
         return [1.0] * len(responses) if len(rounds) % 2 else [float(i % 4) for i in range(len(responses))]
 
-    trainer = make_trainer(reward_funcs=[alternating], max_num_gen_batches=max_num_gen_batches, max_steps=2, gradient_accumulation_steps=2, eval_steps=1000, max_generate_length=4, loss_agg_mode="token-mean")
+    trainer = make_trainer(
+        reward_funcs=[alternating],
+        max_num_gen_batches=max_num_gen_batches,
+        max_steps=2,
+        gradient_accumulation_steps=2,
+        eval_steps=1000,
+        max_generate_length=4,
+        loss_agg_mode="token-mean",
+    )
     original = trainer.generate_experiences
     trainer.generate_experiences = lambda batch: rounds.append(1) or original(batch)
     return trainer
@@ -245,7 +262,9 @@ def test_num_gen_batches_and_step_tokens_in_the_training_loop(make_trainer):
     trainer = num_gen_batches_trainer(make_trainer, rounds, max_num_gen_batches=4)
     micro_steps = []  # (normaliser, this micro-batch's tokens) of every train_step
     original_step = trainer.train_step
-    trainer.train_step = lambda model, inputs, normaliser=None: micro_steps.append((normaliser, int(inputs["action_mask"].sum()))) or original_step(model, inputs, normaliser)
+    trainer.train_step = lambda model, inputs, normaliser=None: (
+        micro_steps.append((normaliser, int(inputs["action_mask"].sum()))) or original_step(model, inputs, normaliser)
+    )
     trainer.train()
     assert trainer.update_steps == 2 and len(rounds) == 8  # 2 steps x 4 rounds
     # token-mean's denominator: both micro-batches of a step get the step's total token count
@@ -274,7 +293,12 @@ def test_soft_overlong_punishment_is_not_a_reward_function(make_trainer):
     assert trainer.reward_names == ["correctness_reward", "digit_reward", "hard_format_reward", "mark_reward"]
     assert trainer.reward_weights.tolist() == [1.0] * 4
     # exactly one weight per reward function
-    assert make_trainer(overlong_buffer_len=4, reward_weights=[2.0, 1.0, 1.0, 0.5]).reward_weights.tolist() == [2.0, 1.0, 1.0, 0.5]
+    assert make_trainer(overlong_buffer_len=4, reward_weights=[2.0, 1.0, 1.0, 0.5]).reward_weights.tolist() == [
+        2.0,
+        1.0,
+        1.0,
+        0.5,
+    ]
     with pytest.raises(ValueError, match="reward_weights has 5 entries but there are 4"):
         make_trainer(overlong_buffer_len=4, reward_weights=[2.0, 1.0, 1.0, 0.5, 3.0])
     assert len(make_trainer().reward_funcs) == 4
@@ -284,7 +308,13 @@ def test_soft_overlong_punishment_values(make_trainer):
     def zero(prompts, responses, answers):
         return [0.0] * len(responses)
 
-    trainer = make_trainer(reward_funcs=[zero], overlong_buffer_len=4, max_generate_length=12, overlong_penalty_factor=0.5, filter_metric="none")
+    trainer = make_trainer(
+        reward_funcs=[zero],
+        overlong_buffer_len=4,
+        max_generate_length=12,
+        overlong_penalty_factor=0.5,
+        filter_metric="none",
+    )
     eos, x = trainer.tokenizer.eos_token_id, plain_token(trainer)
     # Response lengths (EOS included): group 1: 3, 9, 10, 12; group 2: 8, 12 without EOS (cut), 1, 11.
     lengths = [3, 9, 10, 12, 8, 12, 1, 11]
@@ -321,7 +351,9 @@ def test_single_reward_function_with_overlong_punishment(make_trainer):
 # ---------- 6. overlong filter ----------
 def test_overlong_filter_masks_truncated_responses(make_trainer):
     for overlong_filter in (True, False):
-        trainer = make_trainer(reward_funcs=[varied], num_generations=2, max_generate_length=6, overlong_filter=overlong_filter)
+        trainer = make_trainer(
+            reward_funcs=[varied], num_generations=2, max_generate_length=6, overlong_filter=overlong_filter
+        )
         eos, x = trainer.tokenizer.eos_token_id, plain_token(trainer)
         scripted_sampler(trainer, [[x, x, eos], [x] * 6])  # ends after 3 tokens; cut at 6 without EOS
         exp = trainer.generate_experiences(make_batch(trainer))
@@ -339,7 +371,9 @@ def test_overlong_filter_masks_truncated_responses(make_trainer):
         else:  # seed: (3 * 0.7071 - 6 * 0.7071) / 9 tokens = -0.2357
             assert loss.item() == pytest.approx(-INV_SQRT2 / 3, abs=1e-6)
         loss.backward()
-        expected_grad = torch.tensor([[INV_SQRT2] * 3 + [0.0] * 3, [-INV_SQRT2 * (not overlong_filter)] * 6]) / (3 if overlong_filter else 9)
+        expected_grad = torch.tensor([[INV_SQRT2] * 3 + [0.0] * 3, [-INV_SQRT2 * (not overlong_filter)] * 6]) / (
+            3 if overlong_filter else 9
+        )
         assert torch.allclose(log_probs.grad, expected_grad, atol=1e-6)
 
 
@@ -365,7 +399,13 @@ def test_overlong_filter_fully_masked_group_has_zero_loss(make_trainer):
 def test_fully_masked_micro_batch_logs_finite_metrics(make_trainer):
     # The step's metrics (metrics.jsonl) must stay numbers when overlong_filter masks a whole micro-batch:
     # a mean over zero tokens is NaN, which poisons the step's means and is not valid JSON.
-    trainer = make_trainer(reward_funcs=[varied], num_generations=2, max_generate_length=6, overlong_filter=True, gradient_accumulation_steps=1)
+    trainer = make_trainer(
+        reward_funcs=[varied],
+        num_generations=2,
+        max_generate_length=6,
+        overlong_filter=True,
+        gradient_accumulation_steps=1,
+    )
     x, y = plain_token(trainer, "1"), plain_token(trainer, "2")
     scripted_sampler(trainer, [[x] * 6, [y] * 6])
     exp = trainer.generate_experiences(make_batch(trainer))
@@ -393,7 +433,9 @@ def test_adam_by_default_adamw_with_weight_decay(make_trainer):
     assert type(adam.optimizer) is torch.optim.Adam and adam.optimizer.param_groups[0]["weight_decay"] == 0
     adamw = make_trainer(reward_funcs=[constant], filter_metric="none", gradient_accumulation_steps=1, weight_decay=wd)
     assert type(adamw.optimizer) is torch.optim.AdamW
-    assert [g["weight_decay"] for g in adamw.optimizer.param_groups] == [wd] and adamw.optimizer.param_groups[0]["lr"] == lr
+    assert [g["weight_decay"] for g in adamw.optimizer.param_groups] == [wd] and adamw.optimizer.param_groups[0][
+        "lr"
+    ] == lr
     for trainer, factor in ((adam, 1.0), (adamw, 1 - lr * wd)):
         before = [p.detach().clone() for p in trainer.model.parameters()]
         trainer.train_step(trainer.model, zero_advantage_inputs(trainer))
@@ -406,7 +448,14 @@ def test_adam_by_default_adamw_with_weight_decay(make_trainer):
 
 
 def test_linear_warmup(make_trainer):
-    trainer = make_trainer(reward_funcs=[varied], warmup_steps=4, max_steps=5, gradient_accumulation_steps=1, eval_steps=1000, max_generate_length=4)
+    trainer = make_trainer(
+        reward_funcs=[varied],
+        warmup_steps=4,
+        max_steps=5,
+        gradient_accumulation_steps=1,
+        eval_steps=1000,
+        max_generate_length=4,
+    )
     used = []
     original = trainer.optimizer.step
     trainer.optimizer.step = lambda *a, **k: used.append(trainer.optimizer.param_groups[0]["lr"]) or original(*a, **k)
@@ -433,14 +482,18 @@ def one_step_gradients(trainer):
         return metrics
 
     trainer.train_step = train_step
-    trainer.optimizer.step = lambda *a, **k: post.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()})
+    trainer.optimizer.step = lambda *a, **k: post.update(
+        {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+    )
     trainer.train()
     assert trainer.update_steps == 1 and pre and post
     return pre, post
 
 
 def test_max_grad_norm_clips_and_logs_the_pre_clip_norm(make_trainer):
-    settings = dict(reward_funcs=[varied], gradient_accumulation_steps=1, max_steps=1, eval_steps=1000, max_generate_length=8)
+    settings = dict(
+        reward_funcs=[varied], gradient_accumulation_steps=1, max_steps=1, eval_steps=1000, max_generate_length=8
+    )
     # max_grad_norm = 0: no clipping, the gradient is untouched and its norm logged.
     trainer = make_trainer(max_grad_norm=0.0, **settings)
     reference, captured = one_step_gradients(trainer)
@@ -471,9 +524,14 @@ def test_paper_preset_and_overrides():
     assert build_args("paper", {"overlong_buffer_len": 0}).overlong_buffer_len == 0
     assert paper_preset(20480)["overlong_buffer_len"] == 4096  # the paper's own numbers
     seed = build_args("seed", {})
-    assert (seed.filter_metric, seed.loss_agg_mode, seed.overlong_buffer_len, seed.weight_decay, seed.warmup_steps, seed.max_grad_norm) == (
-        "reward", "seed", 0, 0.0, 0, 0.0
-    )
+    assert (
+        seed.filter_metric,
+        seed.loss_agg_mode,
+        seed.overlong_buffer_len,
+        seed.weight_decay,
+        seed.warmup_steps,
+        seed.max_grad_norm,
+    ) == ("reward", "seed", 0, 0.0, 0, 0.0)
     cli, overrides = parse_cli(DapoArguments, ["--preset", "paper", "--lr=1e-5"])
     assert cli.preset == "paper" and overrides == {"lr": 1e-5}
     args = build_args(cli.preset, overrides)
@@ -490,11 +548,18 @@ def test_paper_preset_learns_in_600_steps(tmp_path):
     # reward 0.395 -> 0.621, 1,230 groups skipped.
     trainer = main(["--demo", "--preset", "paper", f"--output_dir={tmp_path / 'demo'}", "--eval_steps=300"])
     args = trainer.args
-    assert (args.filter_metric, args.loss_agg_mode, args.overlong_buffer_len, args.weight_decay, args.warmup_steps, args.max_grad_norm) == (
-        "correctness", "token-mean", 6, 0.1, 10, 1.0
-    )
+    assert (
+        args.filter_metric,
+        args.loss_agg_mode,
+        args.overlong_buffer_len,
+        args.weight_decay,
+        args.warmup_steps,
+        args.max_grad_norm,
+    ) == ("correctness", "token-mean", 6, 0.1, 10, 1.0)
     assert (args.lr, args.max_steps, args.seed) == (3e-4, 600, 42)
-    assert "rewards/soft_overlong_punishment/mean" in trainer.history[0] and type(trainer.optimizer) is torch.optim.AdamW
+    assert (
+        "rewards/soft_overlong_punishment/mean" in trainer.history[0] and type(trainer.optimizer) is torch.optim.AdamW
+    )
     history = trainer.history
     assert trainer.update_steps == 600 and len(history) == 600
     assert history[0]["learning_rate"] == pytest.approx(3e-5) and history[-1]["learning_rate"] == pytest.approx(3e-4)
@@ -510,4 +575,7 @@ def test_paper_preset_learns_in_600_steps(tmp_path):
         values = [record[key] for record in sampled]
         return sum(values[-30:]) / 30 - sum(values[:30]) / 30
 
-    assert gain("reward") >= 0.15 and gain("rewards/correctness_reward/mean") >= 0.15, (gain("reward"), gain("rewards/correctness_reward/mean"))
+    assert gain("reward") >= 0.15 and gain("rewards/correctness_reward/mean") >= 0.15, (
+        gain("reward"),
+        gain("rewards/correctness_reward/mean"),
+    )

@@ -134,7 +134,10 @@ def test_pad_to_longest_gives_the_same_log_probs_loss_and_grads(make_trainer, so
     assert torch.equal(a["advantages"], b["advantages"])
     # The real tokens each row attends to are the same.
     for row in range(8):
-        assert torch.equal(a["prompt_response_ids"][row][a["attention_mask"][row].bool()], b["prompt_response_ids"][row][b["attention_mask"][row].bool()])
+        assert torch.equal(
+            a["prompt_response_ids"][row][a["attention_mask"][row].bool()],
+            b["prompt_response_ids"][row][b["attention_mask"][row].bool()],
+        )
 
     mask = a["action_mask"].bool()
     with torch.no_grad():
@@ -158,7 +161,9 @@ def test_pad_to_longest_gives_the_same_log_probs_loss_and_grads(make_trainer, so
 
 
 def test_selective_log_softmax_equals_the_seeds_full_log_softmax(make_trainer):
-    trainer = make_trainer(reward_funcs=[varied], batch_size=2, max_prompt_length=160, max_generate_length=12, num_iterations=2)
+    trainer = make_trainer(
+        reward_funcs=[varied], batch_size=2, max_prompt_length=160, max_generate_length=12, num_iterations=2
+    )
     responses = scripted_responses(trainer.tokenizer, 8, 8, seed=3)
     replay(trainer, responses)
     inputs = micro_batch(trainer, make_batch(trainer, 2, offset=2))
@@ -265,7 +270,14 @@ def test_selective_log_softmax_peak_memory_with_a_real_vocabulary(world, tmp_pat
     script = MEMORY_PROBE.format(root=ROOT)
     procs = {
         efficient: subprocess.Popen(
-            [sys.executable, "-c", script, "1" if efficient else "0", model_dir, str(tmp_path / f"out{int(efficient)}")],
+            [
+                sys.executable,
+                "-c",
+                script,
+                "1" if efficient else "0",
+                model_dir,
+                str(tmp_path / f"out{int(efficient)}"),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -279,8 +291,10 @@ def test_selective_log_softmax_peak_memory_with_a_real_vocabulary(world, tmp_pat
         results[efficient] = json.loads(out.strip().splitlines()[-1])
     ours, seed = results[True], results[False]
     MB = 2**20
-    print(f"\nget_action_log_probs peak RSS over baseline: efficient {ours['extra'] / MB:.0f} MiB, seed {seed['extra'] / MB:.0f} MiB "
-          f"({seed['extra'] / max(ours['extra'], 1):.1f}x; VmHWM reset: {ours['exact'] and seed['exact']})")
+    print(
+        f"\nget_action_log_probs peak RSS over baseline: efficient {ours['extra'] / MB:.0f} MiB, seed {seed['extra'] / MB:.0f} MiB "
+        f"({seed['extra'] / max(ours['extra'], 1):.1f}x; VmHWM reset: {ours['exact'] and seed['exact']})"
+    )
     assert ours["shape"] == seed["shape"] == [2, 128]
     assert abs(ours["checksum"] - seed["checksum"]) < 1e-3 * max(1.0, abs(seed["checksum"]))  # same log-probs
     # The seed's [2, 384, 151936] logits and [2, 383, 151936] log-softmax are 0.87 GiB by themselves.
@@ -365,15 +379,22 @@ def test_batch_generation_same_samples_as_one_call_per_prompt(make_trainer, pad_
     for x, y in zip(batched, separate):
         assert torch.equal(x.response_length, y.response_length)
         for row in range(G):
-            assert torch.equal(x.prompt_response_ids[row][x.attention_mask[row].bool()], y.prompt_response_ids[row][y.attention_mask[row].bool()])
-            assert torch.equal(x.response_ids[row][x.action_mask[row].bool()], y.response_ids[row][y.action_mask[row].bool()])
+            assert torch.equal(
+                x.prompt_response_ids[row][x.attention_mask[row].bool()],
+                y.prompt_response_ids[row][y.attention_mask[row].bool()],
+            )
+            assert torch.equal(
+                x.response_ids[row][x.action_mask[row].bool()], y.response_ids[row][y.action_mask[row].bool()]
+            )
         if not pad_to_longest:  # fixed widths: identical tensors
             for field in ("prompt_response_ids", "response_ids", "attention_mask", "action_mask"):
                 assert torch.equal(getattr(x, field), getattr(y, field)), field
 
 
 # ---------- 4. SampleKeptTokens draws from the same distribution ----------
-@pytest.mark.parametrize("temperature, top_k, top_p", [(0.9, 50, 1.0), (0.7, 4, 1.0), (1.0, 0, 0.8), (1.3, 5, 0.9), (1.0, 0, 1.0)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(0.9, 50, 1.0), (0.7, 4, 1.0), (1.0, 0, 0.8), (1.3, 5, 0.9), (1.0, 0, 1.0)]
+)
 def test_sample_kept_tokens_draws_from_generates_distribution(temperature, top_k, top_p):
     # 12 ids; ids 3, 4 and 5 tie at the 4th-largest logit, so top_k=4 keeps 6 ids (HF keeps ties).
     logits = torch.tensor([[2.0, 1.5, 1.2, 0.9, 0.9, 0.9, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0]])

@@ -68,7 +68,13 @@ def test_normalize_answer_keeps_non_integers():
 
 
 def test_correctness_reward_values_and_answer_types():
-    responses = ["<answer>72</answer>", "<answer>71</answer>", "no tag", "<answer>72.0</answer>", "<answer>72/1</answer>"]
+    responses = [
+        "<answer>72</answer>",
+        "<answer>71</answer>",
+        "no tag",
+        "<answer>72.0</answer>",
+        "<answer>72/1</answer>",
+    ]
     for answer in (torch.tensor(72), 72, 72.0, "72", "72.0"):
         assert correctness_reward(None, responses, [answer] * 5) == [2.0, 0.0, 0.0, 2.0, 2.0]
 

@@ -113,8 +113,7 @@ def test_chinese_round_trip_after_reload(tokenizer):
     assert tokenizer.decode(ids) == text
     # Reward functions see the completion decoded without special tokens.
     assert tokenizer.decode(ids, skip_special_tokens=True) == (
-        f"system\n{SYSTEM_PROMPT}\nuser\n{QUESTION}\nassistant\n"
-        "<think>\n3+5=8\n</think>\n<answer>\n8\n</answer>\n"
+        f"system\n{SYSTEM_PROMPT}\nuser\n{QUESTION}\nassistant\n<think>\n3+5=8\n</think>\n<answer>\n8\n</answer>\n"
     )
 
 
@@ -170,7 +169,9 @@ def test_build_fails_loudly_if_the_reloaded_tokenizer_loses_characters(tmp_path,
         trainer = trainers.BpeTrainer(vocab_size=150, special_tokens=SPECIALS)
         backend.train_from_iterator(texts, trainer)
         return PreTrainedTokenizerFast(
-            tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+            tokenizer_object=backend,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
             chat_template=tiny_world.CHAT_TEMPLATE,
         )
 
@@ -205,18 +206,32 @@ def test_appended_second_run_does_not_add_to_the_first(tmp_path):
     assert curves.read_step_log(str(tmp_path / "accuracy_losses.txt")) == pytest.approx({0: 0.2, 2: 0.4})
     records = [{"step": s, "reward": r} for s, r in ((1, 1.0), (2, 2.0), (1, 5.0))]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert curves.read_metrics(str(tmp_path / "metrics.jsonl")) == [{"step": 1, "reward": 5.0}, {"step": 2, "reward": 2.0}]
+    assert curves.read_metrics(str(tmp_path / "metrics.jsonl")) == [
+        {"step": 1, "reward": 5.0},
+        {"step": 2, "reward": 2.0},
+    ]
 
 
 def test_plot_curves_draws_faint_raw_series_under_their_moving_average(tmp_path, monkeypatch):
     steps = range(1, 61)
     (tmp_path / "training_losses.txt").write_text("".join(f"{s - 1},{0.01 * (s % 7)}\n" for s in steps))
     (tmp_path / "accuracy_losses.txt").write_text("0,0.15\n30,0.40\n60,0.62\n")
-    (tmp_path / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": s, "reward": 0.02 * s + 0.3 * (s % 2), "rewards/correctness_reward/mean": 0.01 * s,
-                    "completions/mean_length": 12, "completions/max_length": 20, "frac_groups_skipped": 0.25}) + "\n"
-        for s in steps
-    ))
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "step": s,
+                    "reward": 0.02 * s + 0.3 * (s % 2),
+                    "rewards/correctness_reward/mean": 0.01 * s,
+                    "completions/mean_length": 12,
+                    "completions/max_length": 20,
+                    "frac_groups_skipped": 0.25,
+                }
+            )
+            + "\n"
+            for s in steps
+        )
+    )
     drawn = []  # (label, steps, raw values, smoothed values) of every per-step series
     original = curves.draw_series
 

@@ -64,7 +64,9 @@ def test_attention_mask_when_pad_is_eos(make_trainer):
 
 def test_sampling_ignores_the_models_generation_config(make_trainer, monkeypatch):
     trainer = make_trainer(num_generations=8, max_generate_length=6)
-    greedy = GenerationConfig(do_sample=False, repetition_penalty=1.5, no_repeat_ngram_size=2, top_k=1, eos_token_id=[0])
+    greedy = GenerationConfig(
+        do_sample=False, repetition_penalty=1.5, no_repeat_ngram_size=2, top_k=1, eos_token_id=[0]
+    )
     trainer.model.generation_config = greedy
     seen = []
     original = trainer.model._get_logits_processor
@@ -239,11 +241,15 @@ def test_optimizer_steps_follow_valid_groups(make_trainer):
 
 
 def test_batch_size_and_iterations(make_trainer):
-    trainer = make_trainer(reward_funcs=[varied], epoch=1, batch_size=2, gradient_accumulation_steps=2, num_iterations=2, eval_steps=1000)
+    trainer = make_trainer(
+        reward_funcs=[varied], epoch=1, batch_size=2, gradient_accumulation_steps=2, num_iterations=2, eval_steps=1000
+    )
     steps = count_optimizer_steps(trainer)
     seen = []
     original = trainer.compute_loss
-    trainer.compute_loss = lambda model, inputs, *a, **k: seen.append(inputs["prompt_response_ids"].size(0)) or original(model, inputs, *a, **k)
+    trainer.compute_loss = lambda model, inputs, *a, **k: (
+        seen.append(inputs["prompt_response_ids"].size(0)) or original(model, inputs, *a, **k)
+    )
     trainer.train()
     # 32 prompts / 2 per micro-batch = 16 micro-batches = 8 sampled steps, each trained twice
     assert trainer.update_steps == 16 and len(steps) == 16
@@ -327,8 +333,19 @@ def test_arguments_are_validated():
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         DapoArguments(gradient_accumulation_steps=0)
     args = DapoArguments()
-    assert (args.lr, args.num_generations, args.clip_eps_low, args.clip_eps_high, args.beta) == (1e-6, 4, 0.2, 0.28, 0.0)
-    assert (args.max_prompt_length, args.max_generate_length, args.gradient_accumulation_steps, args.epoch) == (256, 128, 2, 3)
+    assert (args.lr, args.num_generations, args.clip_eps_low, args.clip_eps_high, args.beta) == (
+        1e-6,
+        4,
+        0.2,
+        0.28,
+        0.0,
+    )
+    assert (args.max_prompt_length, args.max_generate_length, args.gradient_accumulation_steps, args.epoch) == (
+        256,
+        128,
+        2,
+        3,
+    )
     assert (args.save_steps, args.num_iterations, args.batch_size, args.reward_weights) == (100, 1, 1, None)
     assert (args.temperature, args.top_p, args.top_k, args.output_dir) == (0.9, 1.0, 50, "./output")
 
@@ -348,8 +365,12 @@ def test_dataset_errors_name_the_problem(world, tmp_path):
 
     bad = tmp_path / "bad"
     (bad / "data").mkdir(parents=True)
-    datasets.Dataset.from_list([{"question": "q", "answer_only": 1}]).to_parquet(str(bad / "data" / "train-00000-of-00001.parquet"))
-    datasets.Dataset.from_list([{"question": "q", "answer_only": 1}]).to_parquet(str(bad / "data" / "test-00000-of-00001.parquet"))
+    datasets.Dataset.from_list([{"question": "q", "answer_only": 1}]).to_parquet(
+        str(bad / "data" / "train-00000-of-00001.parquet")
+    )
+    datasets.Dataset.from_list([{"question": "q", "answer_only": 1}]).to_parquet(
+        str(bad / "data" / "test-00000-of-00001.parquet")
+    )
     with pytest.raises(ValueError, match=r"lacks the column\(s\) \['question_zh-cn'\]"):
         GSM8KDataset(str(bad), None)
 
@@ -365,6 +386,9 @@ def test_dataset_items_and_test_split_carved_from_train(world, tmp_path):
     (only_train / "data").mkdir(parents=True)
     rows = [{"question_zh-cn": f"问题{i}", "answer_only": i} for i in range(30)]
     datasets.Dataset.from_list(rows).to_parquet(str(only_train / "data" / "train-00000-of-00001.parquet"))
-    train, test = GSM8KDataset(str(only_train), None, "train", test_size=5), GSM8KDataset(str(only_train), None, "test", test_size=5)
+    train, test = (
+        GSM8KDataset(str(only_train), None, "train", test_size=5),
+        GSM8KDataset(str(only_train), None, "test", test_size=5),
+    )
     assert (len(train), len(test)) == (25, 5)
     assert not {r["answer"] for r in train} & {r["answer"] for r in test}

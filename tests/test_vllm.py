@@ -24,9 +24,16 @@ TOLERANCE = 1e-4  # float32 on CPU: measured differences are ~1e-6
 
 def tiny_qwen2(tokenizer, hidden_size=128, seed=0):
     config = transformers.Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         initializer_range=0.2,  # peaked next-token distributions: fewer greedy near-ties than 0.02
         dtype="float32",
     )
@@ -36,7 +43,11 @@ def tiny_qwen2(tokenizer, hidden_size=128, seed=0):
     # A generation config that would visibly change sampling if it leaked into vLLM: every id is
     # an EOS (responses of 1 token), top_k 1 (all rows equal), a strong repetition penalty.
     model.generation_config = transformers.GenerationConfig(
-        do_sample=True, top_k=1, temperature=0.05, repetition_penalty=10.0, eos_token_id=list(range(len(tokenizer))),
+        do_sample=True,
+        top_k=1,
+        temperature=0.05,
+        repetition_penalty=10.0,
+        eos_token_id=list(range(len(tokenizer))),
     )
     return model
 
@@ -45,11 +56,19 @@ def tiny_qwen2(tokenizer, hidden_size=128, seed=0):
 def tiny():
     """(tokenizer, model, sampler, prompt ids of 3 prompts of different lengths)."""
     rows = make_problems(24, seed=0)
-    texts = [chatml_prompt("You are a helpful assistant.", r["question_zh-cn"]) + ideal_response(r) + "<|im_end|>\n" for r in rows]
+    texts = [
+        chatml_prompt("You are a helpful assistant.", r["question_zh-cn"]) + ideal_response(r) + "<|im_end|>\n"
+        for r in rows
+    ]
     tokenizer = build_tokenizer(texts)
     model = tiny_qwen2(tokenizer)
     sampler = VllmSampler(model, device="cpu", dtype=torch.float32, max_model_len=512, seed=0)
-    prompts = [tokenizer(chatml_prompt("You are a helpful assistant.", r["question_zh-cn"]), add_special_tokens=False)["input_ids"] for r in rows[:3]]
+    prompts = [
+        tokenizer(chatml_prompt("You are a helpful assistant.", r["question_zh-cn"]), add_special_tokens=False)[
+            "input_ids"
+        ]
+        for r in rows[:3]
+    ]
     assert len({len(p) for p in prompts}) > 1  # left padding is exercised on the HF side
     return tokenizer, model, sampler, prompts
 
@@ -70,14 +89,21 @@ def test_greedy_matches_hf_generate(tiny):
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    greedy = transformers.GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    greedy = transformers.GenerationConfig(
+        do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=tokenizer.pad_token_id
+    )
     # generate fills unset fields from model.generation_config (repetition_penalty=10 here): swap it
     # out, as train.py's sample does.
     saved, model.generation_config = model.generation_config, greedy
     try:
         with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=greedy,
-                                 output_logits=True, return_dict_in_generate=True)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=greedy,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
     finally:
         model.generation_config = saved
     hf_ids = out.sequences[:, width:]
@@ -102,7 +128,9 @@ def test_sampling_layout_and_log_probs(tiny):
     """n rows per prompt, prompt-major; raw (pre-temperature) log-probs of the sampled tokens; stops included."""
     tokenizer, model, sampler, prompts = tiny
     stop = sorted(set(prompts[0][-12:]))  # frequent ids, so that some rows stop early
-    ids, log_probs = sampler.generate(prompts, n=3, temperature=0.9, top_p=0.95, top_k=50, max_tokens=12, stop_token_ids=stop)
+    ids, log_probs = sampler.generate(
+        prompts, n=3, temperature=0.9, top_p=0.95, top_k=50, max_tokens=12, stop_token_ids=stop
+    )
     assert len(ids) == len(log_probs) == 3 * len(prompts)
     for i, (response, lps) in enumerate(zip(ids, log_probs)):
         assert len(response) == len(lps) >= 1
