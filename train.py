@@ -1087,20 +1087,22 @@ def build_trainer(args):
 def main(argv=None):
     from cli import check_before_loading, parse_cli
 
-    cli, overrides = parse_cli(DapoArguments, argv)
+    cli, given = parse_cli(DapoArguments, argv)
     if cli.plot:
         from curves import plot_curves
 
         return print(f"wrote {plot_curves(cli.plot)}")
-    if cli.demo:  # the tiny world's settings, under anything given on the command line
+    defaults = {}  # under anything given on the command line: the demo's settings, then a checkpoint's
+    if cli.demo:
         import tiny_world
 
-        demo_args, warm_up_steps = tiny_world.demo_settings(cli.preset)
-        overrides = {**demo_args, **overrides}
+        defaults, warm_up_steps = tiny_world.demo_settings(cli.preset)
     checkpoint = None
-    if cli.resume:  # the checkpoint's arguments, under anything given on the command line
-        checkpoint = find_checkpoint(cli.resume, overrides.get("output_dir", DapoArguments.output_dir))
-        overrides = {**checkpoint_arguments(checkpoint), **overrides}
+    if cli.resume:
+        output_dir = given.get("output_dir", defaults.get("output_dir", DapoArguments.output_dir))
+        checkpoint = find_checkpoint(cli.resume, output_dir)
+        defaults |= checkpoint_arguments(checkpoint)
+    overrides = defaults | given
     try:
         args = build_args(cli.preset, overrides)
     except ValueError as error:

@@ -219,3 +219,16 @@ def test_the_bar_says_when_the_data_ran_out_early_and_shows_a_fresh_accuracy(mak
 def test_arguments_validate_non_finite_floats():
     with pytest.raises(ValueError, match="temperature must be finite, not nan"):
         DapoArguments(temperature=float("nan"))
+
+
+def test_the_demo_resumes_and_a_fresh_demo_leaves_no_other_runs_checkpoint(tmp_path):
+    out = tmp_path / "demo"
+    stale = out / "checkpoint_300"  # an earlier demo's, which --resume=latest would otherwise pick
+    stale.mkdir(parents=True)
+    (stale / "trainer_state.pt").write_bytes(b"")
+    demo = ["--demo", f"--output_dir={out}", "--max_generate_length=8", "--eval_samples=4", "--eval_steps=100"]
+    main([*demo, "--max_steps=2", "--save_steps=1"])
+    assert sorted(p.name for p in out.glob("checkpoint_*")) == ["checkpoint_1", "checkpoint_2"]
+    trainer = main(["--demo", "--resume=latest", f"--output_dir={out}", "--max_steps=3"])
+    assert trainer.update_steps == 3 and steps_in(out) == [1, 2, 3]  # continued, not restarted
+    assert trainer.last_accuracy == float((out / "accuracy_losses.txt").read_text().split()[-1].split(",")[1])
