@@ -80,22 +80,11 @@ CONFIGS = {
     "+use_vllm": ((), dict(use_vllm=True)),
 }
 VLLM = "+use_vllm"
-WORKER_OPTIONS = (
-    "shape",
-    "device",
-    "steps",
-    "warmup",
-    "warmup_tokens",
-    "seed",
-    "num_generations",
-    "batch_size",
-    "gradient_accumulation_steps",
-    "num_iterations",
-    "max_prompt_length",
-    "max_generate_length",
-    "threads",
-    "vllm_gpu_memory_utilization",
-)
+# DapoArguments fields the benchmark sets from its own options, and every option a worker receives.
+TRAINER_OPTIONS = ("device", "seed", "num_generations", "batch_size", "gradient_accumulation_steps")
+TRAINER_OPTIONS += ("num_iterations", "max_prompt_length", "max_generate_length")
+WORKER_OPTIONS = ("shape", "steps", "warmup", "warmup_tokens", "threads", "vllm_gpu_memory_utilization")
+WORKER_OPTIONS += TRAINER_OPTIONS
 
 
 # ---------- shared by the workers (and log_probs.py) ----------
@@ -170,19 +159,7 @@ def make_trainer(opts, world, output_dir, name, model=None):
 
     paths, overrides = CONFIGS[name]
     model_dir, data_dir = world
-    settings = {
-        key: getattr(opts, key)
-        for key in (
-            "device",
-            "seed",
-            "num_generations",
-            "batch_size",
-            "gradient_accumulation_steps",
-            "num_iterations",
-            "max_prompt_length",
-            "max_generate_length",
-        )
-    }
+    settings = {key: getattr(opts, key) for key in TRAINER_OPTIONS}
     if overrides.get("use_vllm"):
         overrides = {**overrides, "vllm_gpu_memory_utilization": opts.vllm_gpu_memory_utilization}
     args = DapoArguments(
