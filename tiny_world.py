@@ -176,7 +176,7 @@ def build_tiny_model(tokenizer: transformers.PreTrainedTokenizerBase, seed: int 
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=2,  # head size 32: vLLM's CPU attention kernels run it (--demo --use_vllm=true)
         num_key_value_heads=2,
         max_position_embeddings=512,
         tie_word_embeddings=True,

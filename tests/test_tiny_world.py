@@ -130,7 +130,7 @@ def test_model_config_and_forward(world, tokenizer):
     config = model.config
     assert config.model_type == "qwen2"
     assert (config.num_hidden_layers, config.hidden_size) == (2, 64)
-    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (2, 2)
     assert config.intermediate_size == 128
     assert config.max_position_embeddings == 512
     assert config.tie_word_embeddings

@@ -226,5 +226,20 @@ def test_unsupported_head_dim_fails_at_construction_before_the_engine(make_train
         raise AssertionError("a vLLM engine was started for a model vLLM cannot run")
 
     monkeypatch.setattr(vllm_sampler.vllm, "LLM", no_engine)
-    with pytest.raises(ValueError, match=r"head_dim.*16"):  # the session's tiny world: hidden 64 / 4 heads
-        make_trainer(use_vllm=True)
+    shape = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+    )
+    odd = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(vocab_size=200, **shape))  # head size 16
+    with pytest.raises(ValueError, match=r"head_dim.*16"):
+        make_trainer(model=odd, use_vllm=True)
+
+
+def test_the_demo_runs_with_vllm(tmp_path):
+    out = tmp_path / "demo"
+    demo = ["--demo", "--use_vllm=true", f"--output_dir={out}", "--max_steps=2", "--eval_steps=2", "--eval_samples=4"]
+    trainer = train.main([*demo, "--max_generate_length=8"])
+    assert trainer.update_steps == 2 and trainer.vllm is not None
+    assert len(read_lines(out, "training_losses.txt")) == 4  # 2 micro-steps per step
+    assert [line.split(",")[0] for line in read_lines(out, "accuracy_losses.txt")] == ["0", "2"]
+    records = [json.loads(line) for line in read_lines(out, "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2] and all(r["vllm/logprob_diff_max"] < 1e-3 for r in records)
