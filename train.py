@@ -520,7 +520,6 @@ class DapoTrainer:
             max_length = args.max_prompt_length + args.max_generate_length
             engine = (args.vllm_gpu_memory_utilization, args.vllm_enable_sleep_mode, args.seed)
             self.vllm, self.vllm_step = VllmSampler(self.model, args.device, dtype, max_length, *engine), 0
-            self.vllm.sleep_between_rollouts = args.vllm_enable_sleep_mode  # free its memory for training
             if self.world.size > 1:  # each rank would need its own engine on its own device (TRL: external_launcher)
                 raise ValueError("use_vllm is not supported under torchrun yet: run it in one process")
 

@@ -63,7 +63,7 @@ class VllmSampler:
     def __init__(self, model, device="cpu", dtype=torch.float32, max_model_len=1024,
                  gpu_memory_utilization=0.3, enable_sleep_mode=False, seed=0):  # fmt: skip
         check_supported(model, device)
-        self.sleep_between_rollouts = False  # sample() wakes vLLM up and puts it back to sleep (CUDA)
+        self.sleep_between_rollouts = enable_sleep_mode  # sample() wakes vLLM up and puts it back to sleep (CUDA)
         # Written once at start-up (not in the hot path). load_format="dummy" would skip the disk but
         # randomises vLLM's persistent buffers too (the rotary cos/sin cache), which reload_weights
         # then keeps: measured |logprob diff| 1.3 instead of 1e-6. The model's generation_config.json
