@@ -3,8 +3,25 @@
 It stands in for the three things the real run downloads:
 
 - the data set `swulling/gsm8k_chinese`  -> synthetic Chinese addition/subtraction word problems,
-- the tokenizer of Qwen2.5-Instruct      -> a ~120-token byte-level BPE trained on those problems,
-- the Qwen2.5-Instruct weights           -> a random 2-layer Qwen2 with hidden size 64.
+- the tokenizer of Qwen2.5-Instruct      -> a ~280-token byte-level BPE trained on those problems,
+- the Qwen2.5-Instruct weights           -> a 2-layer Qwen2 (hidden 64, 2 heads of 32) given a
+                                            short supervised warm-up.
+
+The demo's design, so that held-out accuracy is the headline (README, "The demo"):
+- Skill: 50 small facts (a + b, a, b in 1..5, and the same facts read backwards as a - b). The test
+  split holds out *phrasings*: a quarter of the (template, name, item) combinations appear only in
+  test, so no test question string is in train (make_splits; tested), while every fact is in both.
+- Warm-up, noisy on purpose: 300 clean supervised steps teach the format and the facts, then 150
+  steps on targets of which 75% are off by 1 to 3 (lr falling to 0), a stand-in for an instruct
+  model whose *mode* is right on most problems but whose samples (T 0.9) are right only ~1 time in
+  4, on train and test problems alike. RL with the real rewards then sharpens the policy toward the
+  right answer; since the answer depends on the numbers, not the phrasing, this carries to the
+  held-out phrasings, and `--lr=0` (same sampling, no learning) stays flat.
+- Tokenizer: ~280 tokens, so that a prompt is ~31 tokens (Chinese phrases are single tokens), which
+  makes the warm-up take seconds and each RL step cheap. Model: head size 32, which vLLM's CPU
+  attention kernels support (`--demo --use_vllm=true`).
+- RL: 120 steps of 8 prompts (4 per micro-batch, one generate call of 32 rows) x G 8, 20-token
+  responses, lr 1e-3; every 20 steps one evaluation of all 200 test problems in one generate call.
 
 Everything is saved with the standard Hugging Face writers, so train.py loads it with exactly the
 code it uses for the real thing: `datasets.load_dataset(data_dir)`,
@@ -19,6 +36,7 @@ vocabulary would silently lose every Chinese character. Training with that same 
 the reloaded tokenizer identical to the trained one, whichever class ends up loading it.
 """
 
+import math
 import os
 import random
 import re
@@ -29,7 +47,9 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-VOCAB_SIZE = 120
+from curves import read_step_log
+
+VOCAB_SIZE = 300  # the BPE stops at ~280: a prompt is ~31 tokens, Chinese phrases are single tokens
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ChatML, as in Qwen2.5
 # The answer format tags are single but ordinary tokens: the reward functions read text decoded
 # with skip_special_tokens=True, which would delete them if they were special.
@@ -74,17 +94,36 @@ TEMPLATES = [
 ]
 
 
-def make_problem(rng: random.Random) -> dict:
-    """One word problem, as a row with the columns of swulling/gsm8k_chinese."""
-    op, zh, en = rng.choice(TEMPLATES)
-    (name, en_name), (item, u, en_item) = rng.choice(NAMES), rng.choice(ITEMS)
-    if op == "+":
-        a, b = rng.randint(1, 10), rng.randint(1, 10)
-        c = a + b
-    else:  # b <= a, so that the answer is never negative
-        a = rng.randint(1, 20)
-        b = rng.randint(1, a)
-        c = a - b
+# The skill: small facts, a + b with a, b in 1..5 and a - b = c with b in 1..5, c in 0..4 (the same
+# facts read backwards): 50 (operator, a, b) triples, all of them in both splits. Answers are 0..10.
+FACTS = [("+", a, b) for a in range(1, 6) for b in range(1, 6)] + [
+    ("-", b + c, b) for b in range(1, 6) for c in range(5)
+]
+# Held out: the phrasing. A phrasing is a (template, name, item) combination; a seeded quarter of them
+# (8 of the 32 per operator) is used only by the test split, so that no test question is in train.
+PHRASINGS = [(t, n, i) for t in range(len(TEMPLATES)) for n in range(len(NAMES)) for i in range(len(ITEMS))]
+
+
+def split_phrasings(seed: int = 0) -> tuple[list, list]:
+    """(train phrasings, test phrasings): per operator, a seeded quarter is held out for test."""
+    train, test = [], []
+    for op in ("+", "-"):
+        phrasings = [p for p in PHRASINGS if TEMPLATES[p[0]][0] == op]
+        random.Random(f"phrasings-{seed}-{op}").shuffle(phrasings)
+        cut = len(phrasings) // 4
+        test += phrasings[:cut]
+        train += phrasings[cut:]
+    return sorted(train), sorted(test)
+
+
+def make_row(fact: tuple, phrasing: tuple) -> dict:
+    """The word problem of fact (op, a, b) in phrasing (template, name, item), as a row with the
+    columns of swulling/gsm8k_chinese."""
+    op, a, b = fact
+    t, n, i = phrasing
+    _, zh, en = TEMPLATES[t]
+    (name, en_name), (item, u, en_item) = NAMES[n], ITEMS[i]
+    c = a + b if op == "+" else a - b
     words = dict(name=name, en_name=en_name, item=item, u=u, en_item=en_item, a=a, b=b)
     return {
         "question": en.format(**words),
@@ -95,15 +134,25 @@ def make_problem(rng: random.Random) -> dict:
     }
 
 
-def make_problems(n: int, seed: int) -> list[dict]:
-    """n word problems, the same ones for the same seed."""
+def make_problem(rng: random.Random, phrasings=PHRASINGS) -> dict:
+    """One random word problem in one of phrasings."""
+    fact = rng.choice(FACTS)
+    return make_row(fact, rng.choice([p for p in phrasings if TEMPLATES[p[0]][0] == fact[0]]))
+
+
+def make_problems(n: int, seed: int, phrasings=PHRASINGS) -> list[dict]:
+    """n word problems in phrasings, the same ones for the same seed."""
     rng = random.Random(seed)
-    return [make_problem(rng) for _ in range(n)]
+    return [make_problem(rng, phrasings) for _ in range(n)]
 
 
 def make_splits(num_train: int, num_test: int, seed: int) -> dict[str, list[dict]]:
-    # Different seeds, so that test is not a prefix of train.
-    return {"train": make_problems(num_train, seed), "test": make_problems(num_test, seed + 1)}
+    """Train and test problems in disjoint phrasings: the same facts, no test question in train.
+    Test questions are distinct (drawn without replacement from the 400 held-out questions)."""
+    train_phrasings, test_phrasings = split_phrasings(seed)
+    held_out = [make_row(f, p) for f in FACTS for p in test_phrasings if TEMPLATES[p[0]][0] == f[0]]
+    test = random.Random(seed + 1).sample(held_out, min(num_test, len(held_out)))
+    return {"train": make_problems(num_train, seed, train_phrasings), "test": test}
 
 
 def write_dataset(data_dir: str, num_train: int, num_test: int, seed: int = 0) -> str:
@@ -168,16 +217,21 @@ def build_tokenizer(texts: list[str]) -> transformers.PreTrainedTokenizerFast:
     return hf_tokenizer
 
 
+MODEL_SHAPE = dict(  # head size 64 / 2 = 32: vLLM's CPU attention kernels run it (--demo --use_vllm=true)
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+)
+
+
 def build_tiny_model(tokenizer: transformers.PreTrainedTokenizerBase, seed: int = 0) -> transformers.Qwen2ForCausalLM:
     """A random float32 Qwen2 small enough to train on a CPU."""
     endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = transformers.Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,  # head size 32: vLLM's CPU attention kernels run it (--demo --use_vllm=true)
-        num_key_value_heads=2,
+        **MODEL_SHAPE,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         bos_token_id=endoftext,  # Qwen2.5 has no BOS token; its config names <|endoftext|>
@@ -198,31 +252,57 @@ def build_tiny_model(tokenizer: transformers.PreTrainedTokenizerBase, seed: int 
     return model
 
 
-def warm_up(model, tokenizer, texts, steps, seed=0, lr=3e-3, batch_size=32):
-    """A short supervised warm-up on (prompt, ideal response) pairs, loss on the response only.
+DEMO_NUM_TRAIN, DEMO_NUM_TEST = 1000, 200  # problems in the demo's splits
+WARM_UP_LR, WARM_UP_BATCH = 3e-3, 64
+WARM_UP_NOISE = 0.75  # in the noisy phase, the share of responses that are wrong on purpose
+WARM_UP_NOISY_SHARE = 1 / 3  # the last third of the warm-up steps is the noisy phase
+
+
+def noisy_response(row: dict, noise: float, rng: random.Random) -> str:
+    """ideal_response, except that with probability noise the result is off by 1 to 3 (a wrong
+    answer drawn uniformly from c-3..c+3 without c and below 0), in the calculation and in <answer>."""
+    if rng.random() >= noise:
+        return ideal_response(row)
+    c = row["answer_only"]
+    wrong = rng.choice([x for x in (c - 3, c - 2, c - 1, c + 1, c + 2, c + 3) if x >= 0])
+    calculation = re.search(r"<<(.+?)>>", row["answer"]).group(1)
+    calculation = calculation[: calculation.rindex("=") + 1] + str(wrong)
+    return f"<think>\n{calculation}\n</think>\n<answer>\n{wrong}\n</answer>\n"
+
+
+def warm_up(
+    model, tokenizer, prompts_and_rows, steps, seed=0, noise=0.0, noisy_steps=0, lr=WARM_UP_LR, batch_size=WARM_UP_BATCH
+):
+    """A short supervised warm-up on (prompt, response) pairs, loss on the response only; each
+    response is drawn afresh by noisy_response(row, noise), so a fraction noise of them is wrong.
 
     RL then starts, as from Qwen2.5-Instruct, from a model that knows the answer format and is
     sometimes right. From random weights it is almost never right, and the paper's dynamic sampling
     (keep a group only if 0 < #correct < G) would skip every group.
     """
-    examples = []
-    for prompt, response in texts:
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-        examples.append((prompt_ids + response_ids, [-100] * len(prompt_ids) + response_ids))
+    end = "<|im_end|>"
+    prompts = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt, _ in prompts_and_rows]
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
         torch.manual_seed(seed)
-        for _ in range(steps):
-            batch = rng.sample(examples, min(batch_size, len(examples)))
+        for step in range(steps):
+            step_noise = noise if step >= steps - noisy_steps else 0.0
+            picks = rng.sample(range(len(prompts)), min(batch_size, len(prompts)))
+            responses = [noisy_response(prompts_and_rows[k][1], step_noise, rng) + end for k in picks]
+            response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+            batch = [(prompts[k] + r, [-100] * len(prompts[k]) + r) for k, r in zip(picks, response_ids)]
             width = max(len(ids) for ids, _ in batch)
             input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch])
             labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
             lengths = torch.tensor([len(ids) for ids, _ in batch])
             attention_mask = (torch.arange(width)[None] < lengths[:, None]).long()  # right padding
             model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+            if (
+                step >= steps - noisy_steps
+            ):  # the noisy phase's lr falls to 0, so the model fits the mix, not the last batches
+                optimizer.param_groups[0]["lr"] = lr * (steps - step) / noisy_steps
             optimizer.step()
             optimizer.zero_grad()
     model.eval()
@@ -230,7 +310,13 @@ def warm_up(model, tokenizer, texts, steps, seed=0, lr=3e-3, batch_size=32):
 
 
 def build_tiny_world(
-    root: str, system_prompt: str, num_train: int = 200, num_test: int = 50, seed: int = 0, warm_up_steps: int = 0
+    root: str,
+    system_prompt: str,
+    num_train: int = DEMO_NUM_TRAIN,
+    num_test: int = DEMO_NUM_TEST,
+    seed: int = 0,
+    warm_up_steps: int = 0,
+    warm_up_noise: float = WARM_UP_NOISE,
 ) -> tuple[str, str]:
     """Write the data set to root/gsm8k_tiny and the tokenizer + model to root/tiny-qwen2.
 
@@ -245,11 +331,9 @@ def build_tiny_world(
     tokenizer = build_tokenizer(texts)
     model = build_tiny_model(tokenizer, seed)
     if warm_up_steps:
-        pairs = [
-            (chatml_prompt(system_prompt, row["question_zh-cn"]), ideal_response(row) + "<|im_end|>")
-            for row in splits["train"]
-        ]
-        warm_up(model, tokenizer, pairs, warm_up_steps, seed)
+        pairs = [(chatml_prompt(system_prompt, row["question_zh-cn"]), row) for row in splits["train"]]
+        noisy_steps = round(warm_up_steps * WARM_UP_NOISY_SHARE)
+        warm_up(model, tokenizer, pairs, warm_up_steps, seed, noise=warm_up_noise, noisy_steps=noisy_steps)
 
     model_dir = os.path.join(root, "tiny-qwen2")
     tokenizer.save_pretrained(model_dir)
@@ -285,24 +369,21 @@ DEMO_ARGS = dict(
     data_path=os.path.join(DEMO_DIR, "gsm8k_tiny"),
     output_dir=DEMO_DIR,
     device="cpu",
-    lr=1e-3,
+    lr=3e-4,  # 1e-3 collapsed after ~20 steps (held-out 0.22 -> 0.07); 5e-4 climbed only 0.22 -> 0.40
+    max_grad_norm=1.0,  # verl's DAPO script
     num_generations=8,
-    max_generate_length=32,
-    epoch=10,
-    max_steps=300,
-    eval_steps=50,
-    eval_samples=20,
-    eval_batch_size=20,
-    save_steps=100,
+    batch_size=4,  # prompts per micro-batch: one generate call of 32 rows, about the cost of 8
+    max_generate_length=20,  # an ideal response is 15 tokens with its <|im_end|>
+    epoch=100,
+    max_steps=120,
+    eval_steps=20,
+    eval_samples=DEMO_NUM_TEST,  # the whole test split, every time: no subset noise
+    eval_batch_size=DEMO_NUM_TEST,  # in one generate call
+    save_steps=1000,
 )
-DEMO_WARM_UP_STEPS = 50  # supervised steps before RL: the answer format, rarely the answer
-# --demo --preset paper. The paper's filter keeps a group only when some but not all of its
-# responses are correct, so RL must start from a model that is sometimes right: 300 warm-up steps
-# make it right about 1 time in 5 on the training problems (50 steps: 1 in 20, and most groups
-# are skipped). At lr 1e-3 the surviving groups pull the format apart (measured: total reward
-# 1.199 -> 0.760); at 3e-4 it learns, slower, hence 600 steps.
-PAPER_DEMO_ARGS = dict(lr=3e-4, max_steps=600, epoch=20)
-PAPER_DEMO_WARM_UP_STEPS = 300
+DEMO_WARM_UP_STEPS = 450  # 300 clean, then 150 noisy (WARM_UP_NOISY_SHARE)
+PAPER_DEMO_ARGS = dict()
+PAPER_DEMO_WARM_UP_STEPS = DEMO_WARM_UP_STEPS
 
 
 def demo_settings(preset: str) -> tuple[dict, int]:
@@ -313,23 +394,31 @@ def demo_settings(preset: str) -> tuple[dict, int]:
 
 
 def demo_summary(history, output_dir):
-    """Mean total and correctness reward over the first and last 50 steps (or fifth of the run), and
-    the first and last test accuracy."""
+    """The closing lines of a demo: held-out accuracy at step 0 and at the last evaluation (the
+    headline, with every evaluation), then the mean total and correctness reward over the first and
+    last 50 steps (or fifth of the run). history is trainer.history: one metrics dict per step."""
+    accuracy = read_step_log(os.path.join(output_dir, "accuracy_losses.txt"))
+    lines = [f"\ndemo summary after {history[-1]['step']} steps ({history[-1]['skipped_groups']} groups skipped):"]
+    if accuracy:
+        (first_step, first), (last_step, last) = min(accuracy.items()), max(accuracy.items())
+        lines.append(
+            f"  held-out accuracy  step {first_step} {first:.2f}  ->  step {last_step} {last:.2f}  ({last - first:+.2f})"
+            f"  [every evaluation: {' '.join(f'{accuracy[s]:.2f}' for s in sorted(accuracy))}]"
+        )
     window = max(1, min(50, len(history) // 5))
 
-    def first_and_last(key):  # mean of a metric over the first and the last `window` steps
+    def first_and_last(key):  # mean of a metric over the first and the last `window` steps that have it
         values = [record[key] for record in history if key in record]
-        return sum(values[:window]) / window, sum(values[-window:]) / window
+        if not values:
+            return math.nan, math.nan
+        return sum(values[:window]) / len(values[:window]), sum(values[-window:]) / len(values[-window:])
 
     start, end = first_and_last("reward")
     correct_start, correct_end = first_and_last("rewards/correctness_reward/mean")
-    path = os.path.join(output_dir, "accuracy_losses.txt")
-    with open(path, encoding="utf-8") as f:
-        accuracies = [line.strip().split(",") for line in f if line.strip()]
-    return (
-        f"\ndemo summary after {history[-1]['step']} steps ({history[-1]['skipped_groups']} groups skipped):\n"
-        f"  mean total reward  first {window} steps {start:.3f}  ->  last {window} steps {end:.3f}  ({end - start:+.3f})\n"
-        f"  correctness reward first {window} steps {correct_start:.3f}  ->  last {window} steps {correct_end:.3f}  ({correct_end - correct_start:+.3f})\n"
-        f"  accuracy           step {accuracies[0][0]} {float(accuracies[0][1]):.2f}  ->  step {accuracies[-1][0]} {float(accuracies[-1][1]):.2f}\n"
-        f"  logs: {output_dir}/training_losses.txt, accuracy_losses.txt, metrics.jsonl"
-    )
+    lines += [
+        f"  mean total reward  first {window} steps {start:.3f}  ->  last {window} steps {end:.3f}  ({end - start:+.3f})",
+        f"  correctness reward first {window} steps {correct_start:.3f}  ->  last {window} steps {correct_end:.3f}"
+        f"  ({correct_end - correct_start:+.3f})",
+        f"  logs: {output_dir}/accuracy_losses.txt, training_losses.txt, metrics.jsonl; curves.png",
+    ]
+    return "\n".join(lines)

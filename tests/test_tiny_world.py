@@ -47,7 +47,7 @@ def test_make_problems_is_deterministic_and_well_formed():
     for row in rows:
         assert list(row) == COLUMNS
         assert row["answer_only"] == solve(row["question_zh-cn"])
-        assert 0 <= row["answer_only"] <= 20
+        assert 0 <= row["answer_only"] <= 10
         assert row["answer"].endswith(f"\n#### {row['answer_only']}")
 
 
@@ -64,15 +64,45 @@ def test_dataset_loads_like_the_hub_one(world, tmp_path):
     assert list(ds["test"]["question_zh-cn"]) != list(ds["train"]["question_zh-cn"])[:10]
 
 
+def test_no_test_question_is_in_the_train_split():
+    """Held out means held out: the demo's test phrasings (template, name, item) never occur in
+    train, so no test question string does, while every test fact (op, a, b) is trained on."""
+    train_phrasings, test_phrasings = tiny_world.split_phrasings()
+    assert train_phrasings and test_phrasings and not set(train_phrasings) & set(test_phrasings)
+    splits = tiny_world.make_splits(tiny_world.DEMO_NUM_TRAIN, tiny_world.DEMO_NUM_TEST, seed=0)
+    train = {row["question_zh-cn"] for row in splits["train"]} | {row["question"] for row in splits["train"]}
+    test = splits["test"]
+    assert len(test) == tiny_world.DEMO_NUM_TEST == len({row["question_zh-cn"] for row in test})  # all distinct
+    assert not [row for row in test if row["question_zh-cn"] in train or row["question"] in train]
+    assert {row["answer"] for row in test} <= {row["answer"] for row in splits["train"]}  # same facts
+
+
+def test_held_out_split_on_disk(world, tmp_path):
+    ds = datasets.load_dataset(world[1], cache_dir=str(tmp_path))
+    assert not set(ds["test"]["question_zh-cn"]) & set(ds["train"]["question_zh-cn"])
+
+
+def test_noisy_warm_up_responses_are_off_by_one_to_three():
+    import random
+
+    row = tiny_world.make_row(("+", 2, 3), (0, 0, 0))
+    assert tiny_world.noisy_response(row, 0.0, random.Random(0)) == tiny_world.ideal_response(row)
+    rng = random.Random(0)
+    wrong = [tiny_world.noisy_response(row, 1.0, rng) for _ in range(200)]
+    answers = {int(re.search(r"<answer>\n(\d+)", w).group(1)) for w in wrong}
+    assert answers == {2, 3, 4, 6, 7, 8}
+    assert all(re.search(r"2\+3=(\d+)\n</think>\n<answer>\n\1\n", w) for w in wrong)  # consistent
+
+
 def test_write_dataset_honours_seed(tmp_path):
     data_dir = tiny_world.write_dataset(str(tmp_path / "d"), num_train=5, num_test=3, seed=7)
     ds = datasets.load_dataset(data_dir, cache_dir=str(tmp_path / "cache"))
-    assert ds["train"].to_list() == tiny_world.make_problems(5, seed=7)
+    assert ds["train"].to_list() == tiny_world.make_splits(5, 3, seed=7)["train"]
     assert ds["test"].num_rows == 3
 
 
 def test_tokenizer_special_tokens_and_size(tokenizer):
-    assert 90 <= len(tokenizer) <= 160
+    assert 90 <= len(tokenizer) <= 310
     assert tokenizer.eos_token == "<|im_end|>"
     assert tokenizer.pad_token == "<|endoftext|>"
     assert tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
