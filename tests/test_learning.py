@@ -7,10 +7,10 @@ from tiny_world import DEMO_NUM_TEST, demo_summary
 from train import main
 
 
-def test_demo_held_out_accuracy_climbs_in_120_steps(tmp_path):
+def test_demo_held_out_accuracy_climbs_in_160_steps(tmp_path):
     # The demo's setting: synthetic Chinese +/- problems, held-out phrasings, a noisy warm-up (mode
     # right, samples right ~1 time in 4), lr 3e-4, 8 prompts x G 8 per step, 20-token responses,
-    # seed 42, 120 update steps, all 200 test problems evaluated every 20 steps by `evaluate`.
+    # seed 42, 160 update steps, all 200 test problems evaluated every 20 steps by `evaluate`.
     trainer = main(["--demo", f"--output_dir={tmp_path / 'demo'}"])
     args = trainer.args
     assert (args.lr, args.num_generations, args.batch_size, args.max_generate_length, args.max_steps, args.seed) == (
@@ -18,19 +18,19 @@ def test_demo_held_out_accuracy_climbs_in_120_steps(tmp_path):
         8,
         4,
         20,
-        120,
+        160,
         42,
     )
     assert args.eval_samples >= DEMO_NUM_TEST == len(trainer.eval_dataset) == 200  # every test problem
-    assert trainer.update_steps == 120 and len(trainer.history) == 120
+    assert trainer.update_steps == 160 and len(trainer.history) == 160
     accuracy = read_step_log(os.path.join(args.output_dir, "accuracy_losses.txt"))
-    assert sorted(accuracy) == list(range(0, 121, 20))
-    first, last = accuracy[0], accuracy[120]
+    assert sorted(accuracy) == list(range(0, 161, 20))
+    first, last = accuracy[0], accuracy[160]
     assert last - first >= 0.30, accuracy  # held-out accuracy climbs
     rewards = [record["rewards/correctness_reward/mean"] for record in trainer.history]
-    assert sum(rewards[-24:]) / 24 - sum(rewards[:24]) / 24 >= 0.3  # and the training reward (2.0 per right answer)
+    assert sum(rewards[-32:]) / 32 - sum(rewards[:32]) / 32 >= 0.3  # and the training reward (2.0 per right answer)
     with open(os.path.join(args.output_dir, "training_losses.txt")) as f:
-        assert len(f.read().splitlines()) == 240  # one line per micro-step, 2 per update
-    assert f"held-out accuracy  step 0 {first:.2f}  ->  step 120 {last:.2f}" in demo_summary(
+        assert len(f.read().splitlines()) == 320  # one line per micro-step, 2 per update
+    assert f"held-out accuracy  step 0 {first:.2f}  ->  step 160 {last:.2f}" in demo_summary(
         trainer.history, args.output_dir
     )
