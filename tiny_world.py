@@ -399,7 +399,8 @@ def demo_settings(preset: str) -> tuple[dict, int]:
 def demo_summary(history, output_dir):
     """The closing lines of a demo: held-out accuracy at step 0 and at the last evaluation (the
     headline, with every evaluation), then the mean total and correctness reward over the first and
-    last 50 steps (or fifth of the run). history is trainer.history: one metrics dict per step."""
+    last 50 sampled steps (or fifth of them; with steps_per_generation 4 one step in 4 samples).
+    history is trainer.history: one metrics dict per optimizer step."""
     accuracy = read_step_log(os.path.join(output_dir, "accuracy_losses.txt"))
     lines = [f"\ndemo summary after {history[-1]['step']} steps ({history[-1]['skipped_groups']} groups skipped):"]
     if accuracy:
@@ -408,20 +409,22 @@ def demo_summary(history, output_dir):
             f"  held-out accuracy  step {first_step} {first:.2f}  ->  step {last_step} {last:.2f}  ({last - first:+.2f})"
             f"  [every evaluation: {' '.join(f'{accuracy[s]:.2f}' for s in sorted(accuracy))}]"
         )
-    window = max(1, min(50, len(history) // 5))
 
-    def first_and_last(key):  # mean of a metric over the first and the last `window` steps that have it
-        values = [record[key] for record in history if key in record]
+    def first_and_last(key):  # (window, mean over the first and the last `window` steps that have key)
+        values = [record[key] for record in history if key in record]  # with 4 steps per rollout, 1 in 4
         if not values:
-            return math.nan, math.nan
-        return sum(values[:window]) / len(values[:window]), sum(values[-window:]) / len(values[-window:])
+            return 0, math.nan, math.nan
+        window = max(1, min(50, len(values) // 5))
+        return window, sum(values[:window]) / window, sum(values[-window:]) / window
 
-    start, end = first_and_last("reward")
-    correct_start, correct_end = first_and_last("rewards/correctness_reward/mean")
     lines += [
-        f"  mean total reward  first {window} steps {start:.3f}  ->  last {window} steps {end:.3f}  ({end - start:+.3f})",
-        f"  correctness reward first {window} steps {correct_start:.3f}  ->  last {window} steps {correct_end:.3f}"
-        f"  ({correct_end - correct_start:+.3f})",
+        f"  {label:<18} first {n} sampled steps {start:.3f}  ->  last {n} {end:.3f}  ({end - start:+.3f})"
+        for label, (n, start, end) in (
+            ("mean total reward", first_and_last("reward")),
+            ("correctness reward", first_and_last("rewards/correctness_reward/mean")),
+        )
+    ]
+    lines += [
         f"  logs: {output_dir}/accuracy_losses.txt, training_losses.txt, metrics.jsonl; curves.png",
     ]
     return "\n".join(lines)
