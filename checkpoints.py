@@ -1,13 +1,17 @@
-"""Checkpoints that resume a run exactly: save, find, load, and cut the logs back to the checkpoint's step."""
+"""Models and checkpoints: load a policy (folder or .gguf); save, find and load checkpoints that resume a run
+exactly, cutting the logs back to the checkpoint's step; Ctrl-C that stops at a step end with a checkpoint."""
 
 import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import signal
+import threading
 
 import torch
-from transformers import AutoModelForCausalLM
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from curves import read_jsonl, read_step_log
 
@@ -17,6 +21,23 @@ LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "sam
 # What one optimizer step is made of: changing one of these on resume would silently change the run.
 STEP_SETTINGS = ("num_generations", "batch_size", "gradient_accumulation_steps", "steps_per_generation")
 STEP_SETTINGS += ("num_iterations", "loss_agg_mode", "filter_metric", "seed", "use_vllm")
+
+
+def load_causal_lm(path):
+    """A float32 causal LM from a Hugging Face folder, or from a .gguf file (dequantised on load)."""
+    if not path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None  # plain float32 weights now: forget the GGUF "quantizer" so that saving works
+    del model.config.quantization_config
+    return model
+
+
+def load_tokenizer(path):
+    if path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
 
 
 def checkpoint_path(output_dir, step):
@@ -148,3 +169,24 @@ def find_checkpoint(resume, output_dir):
             "only the newest checkpoint keeps one)"
         )
     return resume
+
+
+@contextlib.contextmanager
+def deferred_interrupts(trainer):
+    """First Ctrl-C: the trainer finishes its optimizer step, saves a checkpoint and stops (it reads
+    trainer.stop_requested at each step end). Second: stop at once."""
+
+    def request_stop(signum, frame):
+        if trainer.stop_requested:
+            raise KeyboardInterrupt
+        trainer.stop_requested = True
+        tqdm.write("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: stop now, no checkpoint)")
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, request_stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

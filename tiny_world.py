@@ -22,12 +22,15 @@ the reloaded tokenizer identical to the trained one, whichever class ends up loa
 import os
 import random
 import re
+import shutil
 
 import datasets
 import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+from checkpoints import LOG_FILES, find_checkpoints
 
 VOCAB_SIZE = 120
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ChatML, as in Qwen2.5
@@ -333,3 +336,12 @@ def demo_summary(history, output_dir):
         f"  accuracy           step {accuracies[0][0]} {float(accuracies[0][1]):.2f}  ->  step {accuracies[-1][0]} {float(accuracies[-1][1]):.2f}\n"
         f"  logs: {output_dir}/training_losses.txt, accuracy_losses.txt, metrics.jsonl"
     )
+
+
+def demo_world(output_dir, system_prompt, warm_up_steps):
+    """A fresh demo in output_dir: clear its logs and checkpoints (an earlier run's would mix with this one's),
+    then build the world there. Returns (model_dir, data_dir)."""
+    for name in [*LOG_FILES, *(f"checkpoint_{step}" for step in find_checkpoints(output_dir))]:
+        path = os.path.join(output_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+    return build_tiny_world(output_dir, system_prompt, warm_up_steps=warm_up_steps)

