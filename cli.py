@@ -1,6 +1,7 @@
 """The command line of train.py: `--field=value` for every DapoArguments field, the settings a run starts from
-(--demo, --resume), and the checks that run before a model loads (DapoArguments' values, input folders,
-output_dir, reward weights), each failing with one line naming the problem and its fix."""
+(--demo, --resume), and the checks that run before a model loads (DapoArguments' values, input folders, the
+data set's splits and columns, output_dir, reward weights), each failing with one line naming the problem and
+its fix."""
 
 import argparse
 import dataclasses
@@ -10,6 +11,7 @@ import os
 import sys
 import typing
 
+import datasets
 import torch
 from transformers import HfArgumentParser
 
@@ -50,6 +52,35 @@ def check_arguments(args):
     errors += [message for ok, message in checks if not ok]
     if errors:
         raise ValueError("invalid DapoArguments: " + "; ".join(errors))
+
+
+def load_split(data_path, split, test_size, columns):
+    """One split of a local Hugging Face data set folder, with `columns` (question, answer) and no empty answer.
+    Without a "test" split, a fixed random test_size rows of "train" are held out as "test"."""
+    if not os.path.isdir(data_path):
+        raise FileNotFoundError(
+            f"data set folder {data_path!r} does not exist. Download it with `hf download swulling/gsm8k_chinese "
+            f"--repo-type dataset --local-dir {data_path}` (or from ModelScope), or set --data_path."
+        )
+    try:
+        data = datasets.load_dataset(data_path)
+    except Exception as error:  # datasets wraps Arrow's errors, e.g. an empty parquet file
+        cause = f"{error.__cause__ or error} (an empty or damaged file?)"
+        raise ValueError(f"cannot read the data set in {data_path!r}: {cause}") from error
+    if "test" not in data and "train" in data:
+        data = data["train"].train_test_split(test_size=test_size, seed=0)
+    if split not in data:
+        raise ValueError(f"data set {data_path!r} has no split {split!r}; it has {sorted(data)}.")
+    rows, found, where = data[split], data[split].column_names, f"split {split!r} of {data_path!r}"
+    missing = [c for c in columns if c not in found]
+    if missing:
+        raise ValueError(f"{where} lacks the column(s) {missing} of swulling/gsm8k_chinese; it has {found}")
+    if len(rows) == 0:
+        raise ValueError(f"{where} is empty; GSM8KDataset needs question/answer rows")
+    null_rows = [i for i, answer in enumerate(rows[columns[-1]]) if answer is None]
+    if null_rows:
+        raise ValueError(f"{where} has no {columns[-1]} in rows {null_rows[:10]}: fill or drop them")
+    return rows
 
 
 def parse_cli(arguments_class, argv=None):

@@ -31,16 +31,16 @@ from typing import Any, List, Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from datasets import load_dataset
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from kernels import sampling_processors, selective_log_softmax
-from cli import check_arguments
+from cli import check_arguments, check_before_loading, load_split, parse_cli, run_settings
 from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume, save_checkpoint
-from reward_func import correctness_reward, digit_reward, extract_answer, hard_format_reward, is_correct, mark_reward
-from reward_func import load_reward_models, normalize_answer, reward_func_name, reward_model_scores
+from reward_func import correctness_reward, digit_reward, hard_format_reward, is_correct, mark_reward
+from reward_func import example_records, load_reward_models, reward_column, reward_func_name
+from curves import plot_curves, redraw_curves
 from trackers import make_tracker, step_record
 import distributed
 
@@ -62,44 +62,12 @@ ANSWER_COLUMN = "answer_only"  # the final number, e.g. 72
 
 
 class GSM8KDataset(Dataset):
-    """GSM8K (Chinese) from a local folder: items {"prompt": question, "answer": number}.
-
-    Without a "test" split, a fixed random `test_size` rows of "train" are held out as "test".
-    """
+    """GSM8K (Chinese) from a local folder: items {"prompt": question, "answer": number}. Without a "test"
+    split, a fixed random `test_size` rows of "train" are held out (load_split also checks columns and rows)."""
 
     def __init__(self, data_path, tokenizer, split: str = "train", test_size: int = 100):
         self.tokenizer = tokenizer
-        if not os.path.isdir(data_path):
-            raise FileNotFoundError(
-                f"data set folder {data_path!r} does not exist. Download it with `hf download swulling/gsm8k_chinese "
-                f"--repo-type dataset --local-dir {data_path}` (or from ModelScope), or set --data_path."
-            )
-        try:
-            data = load_dataset(data_path)
-        except Exception as error:  # datasets wraps Arrow's errors, e.g. an empty parquet file
-            cause = error.__cause__ or error
-            raise ValueError(
-                f"cannot read the data set in {data_path!r}: {cause} (an empty or damaged file?)"
-            ) from error
-        if "test" not in data and "train" in data:
-            data = data["train"].train_test_split(test_size=test_size, seed=0)
-        if split not in data:
-            raise ValueError(f"data set {data_path!r} has no split {split!r}; it has {sorted(data)}.")
-        columns = data[split].column_names
-        missing = [c for c in (QUESTION_COLUMN, ANSWER_COLUMN) if c not in columns]
-        if missing:
-            raise ValueError(
-                f"split {split!r} of {data_path!r} lacks the column(s) {missing}; it has {columns}. "
-                "GSM8KDataset expects swulling/gsm8k_chinese's columns."
-            )
-        self.data = data[split]
-        if len(self.data) == 0:
-            raise ValueError(f"split {split!r} of {data_path!r} is empty; GSM8KDataset needs question/answer rows")
-        null_rows = [i for i, answer in enumerate(self.data[ANSWER_COLUMN]) if answer is None]
-        if null_rows:
-            raise ValueError(
-                f"split {split!r} of {data_path!r} has no {ANSWER_COLUMN} in rows {null_rows[:10]}: fill or drop them"
-            )
+        self.data = load_split(data_path, split, test_size, columns=(QUESTION_COLUMN, ANSWER_COLUMN))
 
     def __len__(self):
         return len(self.data)
@@ -377,12 +345,10 @@ class LoopState:
         return dict(vars(self))
 
     def load_state_dict(self, state):
-        saved = state.get("world_size", 1)
-        if saved != self.world_size:
-            launch = "python train.py" if saved == 1 else f"torchrun --nproc_per_node={saved} train.py"
-            raise ValueError(
-                f"the checkpoint was written by {saved} process(es), this run has {self.world_size}: {launch}"
-            )
+        saved, here = state.get("world_size", 1), self.world_size  # resume under as many processes as wrote it
+        launch = "python train.py" if saved == 1 else f"torchrun --nproc_per_node={saved} train.py"
+        if saved != here:
+            raise ValueError(f"the checkpoint was written by {saved} process(es), this run has {here}: {launch}")
         vars(self).update(state)
 
 
@@ -427,11 +393,10 @@ class DapoTrainer:
 
         self.reward_funcs, self.reward_tokenizers = load_reward_models(reward_funcs, reward_tokenizers, args.device)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
-        weights = list(args.reward_weights) if args.reward_weights else [1.0] * len(self.reward_funcs)
-        if len(weights) != len(self.reward_funcs):
-            raise ValueError(
-                f"reward_weights has {len(weights)} entries but there are {len(self.reward_funcs)} reward functions"
-            )
+        num_funcs = len(self.reward_funcs)
+        weights = list(args.reward_weights) if args.reward_weights else [1.0] * num_funcs
+        if len(weights) != num_funcs:
+            raise ValueError(f"reward_weights has {len(weights)} entries but there are {num_funcs} reward functions")
         self.reward_weights = torch.tensor(weights, dtype=torch.float32, device=args.device)  # [F]
         if args.filter_metric == "correctness" and "correctness_reward" not in self.reward_names:
             raise ValueError('filter_metric="correctness" needs correctness_reward among the reward functions')
@@ -456,8 +421,7 @@ class DapoTrainer:
 
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.state = LoopState(world_size=self.world.size)
-        self.resumed = False
-        self.stop_requested = False  # set by Ctrl-C; acted on at the next step end
+        self.resumed, self.stop_requested = False, False  # stop_requested: set by Ctrl-C, acted on at a step end
         self.history = []  # one metrics dict per optimizer step (also written to metrics.jsonl)
         self.last_accuracy = math.nan
         self.tracker = make_tracker("none", args.output_dir, None)  # report_to's, from train() on
@@ -480,11 +444,8 @@ class DapoTrainer:
 
     # ---- 4.1 sampling ----
     def encode_prompts(self, prompts):
-        """Chat-format and left-pad prompts. Returns input_ids, attention_mask: [B, P], P = longest prompt.
-
-        A prompt longer than max_prompt_length keeps its last tokens: its end is the generation prompt
-        (`<|im_start|>assistant`), without which the model would not answer.
-        """
+        """Chat-format and left-pad prompts: input_ids, attention_mask [B, P]. A prompt over max_prompt_length keeps
+        its last tokens, which hold the generation prompt (`<|im_start|>assistant`) that makes the model answer."""
         template = self.tokenizer.apply_chat_template
         messages = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p}] for p in prompts]
         texts = [template(m, add_generation_prompt=True, tokenize=False) for m in messages]
@@ -552,26 +513,12 @@ class DapoTrainer:
     @torch.no_grad()
     def score_rewards(self, prompts, responses, answers):
         """rewards_per_func [N, F] for N responses; NaN where a function returned None (no opinion)."""
-        columns = []
-        for name, reward_func, reward_tokenizer in zip(self.reward_names, self.reward_funcs, self.reward_tokenizers):
-            if reward_tokenizer is not None:  # a reward model, scoring prompt + response
-                columns.append(reward_model_scores(reward_func, reward_tokenizer, prompts, responses))
-                continue
-            values = list(reward_func(prompts=prompts, responses=responses, answers=answers))
-            if len(values) != len(responses):
-                raise ValueError(f"reward function {name} returned {len(values)} values for {len(responses)} responses")
-            values = [math.nan if v is None else float(v) for v in values]
-            if any(math.isinf(v) for v in values):
-                raise ValueError(f"reward function {name} returned an infinite reward; return None for no opinion")
-            columns.append(torch.tensor(values, dtype=torch.float32, device=self.args.device))
-        return torch.stack(columns, dim=1)
+        funcs = zip(self.reward_names, self.reward_funcs, self.reward_tokenizers)
+        return torch.stack([reward_column(*f, prompts, responses, answers, self.args.device) for f in funcs], dim=1)
 
     def generate_experiences(self, inputs):
-        """Sample groups, score them, compute advantages and drop the groups without signal.
-
-        Returns {key: list with one tensor per kept group} for GROUP_KEYS (the seed's layout), and
-        "metrics": {name: list of values} for the step-end log.
-        """
+        """Sample groups, score them, compute advantages and drop the groups without signal. Returns {key: one
+        tensor per kept group} for GROUP_KEYS (the seed's layout) and "metrics": {name: values} for the step log."""
         args, G = self.args, self.args.num_generations
         start = time.perf_counter()
         samples_list = self.generate_samples(inputs)
@@ -619,9 +566,8 @@ class DapoTrainer:
 
     @torch.no_grad()
     def make_micro_batches(self, groups):
-        """The rollout: groups (dict of lists) as micro-batches of batch_size groups, each padded to its own
-        longest prompt and response. pi_old's and pi_ref's log-probs are taken here, once, on exactly the
-        tensors the training passes will see."""
+        """The rollout: groups (dict of lists) as micro-batches of batch_size groups, each padded to its own longest
+        prompt and response, with pi_old's and pi_ref's log-probs taken once, on the tensors training will see."""
         args, B, pad = self.args, self.args.batch_size, self.tokenizer.pad_token_id
         reused = args.num_iterations > 1 or args.steps_per_generation > 1  # else pi_old = pi_theta: ratio 1
         micro_batches = []
@@ -639,11 +585,8 @@ class DapoTrainer:
 
     # ---- 4.3 the DAPO loss ----
     def compute_loss(self, model, inputs, normaliser=None, return_metrics=False):
-        """DAPO policy-gradient loss of one micro-batch (Eqs. 10 and 12, plus beta * k3 when beta > 0).
-
-        normaliser: the optimizer step's loss denominator (see aggregate_loss); None = this micro-batch is
-        the whole step. With return_metrics, also returns the micro-batch's diagnostics.
-        """
+        """DAPO policy-gradient loss of one micro-batch (Eqs. 10 and 12, plus beta * k3 when beta > 0). normaliser:
+        the step's loss denominator (aggregate_loss); None = the whole step. return_metrics: also its diagnostics."""
         args, action_mask = self.args, inputs["action_mask"]  # [N, T]
         log_probs, entropy = self.get_action_log_probs(model, *self.model_inputs(inputs), with_entropy=True)
         old_log_probs = inputs["old_action_log_probs"]
@@ -679,11 +622,8 @@ class DapoTrainer:
 
     # ---- 4.4 log-probabilities ----
     def get_action_log_probs(self, model, input_ids, attention_mask, num_actions, with_entropy=False):
-        """log pi(o_t | q, o_<t) of the last num_actions tokens: [N, T] (and the entropy [N, T]).
-
-        Logits at position t predict token t+1, so the T positions before the last score the T response
-        tokens; only their logits are computed. Position ids follow the attention mask, as in generate.
-        """
+        """log pi(o_t | q, o_<t) of the last num_actions tokens: [N, T] (and the entropy [N, T]). Logits at t predict
+        token t+1: only the T positions before the last are computed. Position ids follow the mask, as in generate."""
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
         width = input_ids.size(1)
         keep = torch.arange(width - num_actions - 1, width - 1, device=input_ids.device)
@@ -850,13 +790,8 @@ class DapoTrainer:
         for example in examples:
             self.append_line("samples.jsonl", json.dumps({"step": step, **example}, ensure_ascii=False))
         self.tracker.log({"step": step, "eval/accuracy": self.last_accuracy})
-        try:  # a picture must never end a run
-            from curves import plot_curves
-
-            if self.world.is_main:
-                plot_curves(args.output_dir)
-        except Exception as error:  # noqa: BLE001
-            warnings.warn(f"could not draw curves.png: {error!r}")
+        if self.world.is_main:
+            redraw_curves(args.output_dir)  # a failure is a warning: a picture must never end a run
         return self.last_accuracy
 
     # ---- 4.8 evaluation ----
@@ -881,26 +816,15 @@ class DapoTrainer:
             if return_examples and len(examples) < NUM_LOGGED_EXAMPLES:
                 examples += self.describe_examples(batch, responses)[: NUM_LOGGED_EXAMPLES - len(examples)]
         self.model.train()
-        correct_count, total_count, examples = self.world.gather_eval(
-            correct_count, total_count, examples, NUM_LOGGED_EXAMPLES
-        )
-        accuracy = correct_count / total_count if total_count else 0.0
+        correct, total, examples = self.world.gather_eval(correct_count, total_count, examples, NUM_LOGGED_EXAMPLES)
+        accuracy = correct / total if total else 0.0
         return (accuracy, examples) if return_examples else accuracy
 
     def describe_examples(self, batch, responses):
         """Evaluation examples as samples.jsonl records: prompt, response, answers and each reward."""
-        answers = list(batch["answer"])
-        rewards = self.score_rewards(list(batch["prompt"]), responses, answers)  # [N, F]
-        return [
-            {
-                "prompt": prompt,
-                "response": response,
-                "extracted_answer": extract_answer(response),
-                "answer": normalize_answer(answer),
-                "rewards": {name: None if math.isnan(v) else v for name, v in zip(self.reward_names, row.tolist())},
-            }  # fmt: skip
-            for prompt, response, answer, row in zip(batch["prompt"], responses, answers, rewards)
-        ]
+        prompts, answers = list(batch["prompt"]), list(batch["answer"])
+        rewards = self.score_rewards(prompts, responses, answers)  # [N, F]
+        return example_records(prompts, responses, answers, rewards, self.reward_names)
 
     def save_model(self):
         if not self.world.is_main:
@@ -933,12 +857,8 @@ def build_trainer(args):
 
 
 def main(argv=None):
-    from cli import check_before_loading, parse_cli, run_settings
-
     cli, given = parse_cli(DapoArguments, argv)
     if cli.plot:
-        from curves import plot_curves
-
         return print(f"wrote {plot_curves(cli.plot)}")
     try:  # the command line over a checkpoint's settings over the demo's, under the preset
         overrides, checkpoint, demo_warm_up = run_settings(cli, given, DapoArguments.output_dir)
