@@ -15,6 +15,7 @@ import datasets
 import torch
 from transformers import HfArgumentParser
 
+import distributed
 from checkpoints import checkpoint_arguments, find_checkpoint, find_checkpoints
 
 
@@ -49,7 +50,7 @@ def check_arguments(args):
         # vLLM's log-probs are raw (temperature 1): pi_old's must be too
         (vllm or not args.score_with_temperature or args.temperature == 1, "score_with_temperature needs T = 1"),
     ]
-    errors += [message for ok, message in checks if not ok]
+    errors += [message for ok, message in checks if not ok] + distributed.fsdp_errors(args)
     if errors:
         raise ValueError("invalid DapoArguments: " + "; ".join(errors))
 

@@ -92,8 +92,7 @@ class Samples:
     sampler_log_probs: Optional[torch.Tensor] = None  # [G, T] vLLM's log-probs of the drawn tokens (use_vllm)
 
 
-# What generate_experiences keeps of each valid group (one tensor per group); a micro-batch holds them
-# padded and concatenated, plus the old and reference log-probs.
+# What generate_experiences keeps of each valid group; a micro-batch holds them padded, with pi_old's and pi_ref's.
 GROUP_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "advantages")
 
 
@@ -160,6 +159,7 @@ class DapoArguments:
     bf16: bool = arg(True, "on CUDA, autocast forward passes to bf16 (weights stay float32)")
     tf32: bool = arg(True, "on CUDA, TF32 matmuls for what stays float32")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30%% slower")
+    fsdp: bool = arg(False, "under torchrun, shard parameters, gradients and Adam states over the ranks (FSDP2)")
     use_vllm: bool = arg(False, "sample with vLLM in this process (pip install -r requirements-vllm.txt; TRL's name)")
     vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (TRL's default)")
     vllm_enable_sleep_mode: bool = arg(False, "on CUDA, vLLM frees its memory between rollouts (TRL's name)")
@@ -376,7 +376,8 @@ class DapoTrainer:
         torch.manual_seed(args.seed + self.world.rank)  # each rank samples differently; the prompt order does not
         # Policy in float32: transformers 5 loads a bf16 checkpoint as bf16, where Adam's 1e-6 steps round
         # away. Forward passes may still autocast to bf16 on CUDA (args.bf16).
-        self.model = (load_causal_lm(model) if isinstance(model, str) else model).to(args.device, torch.float32)
+        device = "cpu" if args.fsdp else args.device  # --fsdp: each rank's shard goes to the device, not all of it
+        self.model = (load_causal_lm(model) if isinstance(model, str) else model).to(device, torch.float32)
         self.world.broadcast_parameters(self.model)
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -386,6 +387,7 @@ class DapoTrainer:
         if args.beta != 0.0:  # frozen and only run under autocast: bf16 weights are enough there
             ref_dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
             self.ref_model = deepcopy(self.model).to(ref_dtype).eval().requires_grad_(False)
+        self.world.apply_fsdp(args.fsdp, self.model, self.ref_model)  # --fsdp: shard both over the ranks
         self.tokenizer = self.get_tokenizer(load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer)
         eos_ids = self.model.generation_config.eos_token_id  # every id that ends a response
         eos_ids = [] if eos_ids is None else [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
@@ -426,9 +428,7 @@ class DapoTrainer:
         self.last_accuracy = math.nan
         self.tracker = make_tracker("none", args.output_dir, None)  # report_to's, from train() on
 
-    @property
-    def update_steps(self):  # the seed's name
-        return self.state.update_steps
+    update_steps = property(lambda self: self.state.update_steps)  # the seed's name for optimizer steps taken
 
     def get_tokenizer(self, tokenizer):
         tokenizer.padding_side = "left"  # prompts end at the same column, responses start there
@@ -466,10 +466,10 @@ class DapoTrainer:
             return self.sample_with_vllm(input_ids, attention_mask)
         saved_config, self.model.generation_config = self.model.generation_config, self.generation_config
         try:
-            with self.autocast():
+            with self.autocast(), self.world.unsharded(self.model):  # --fsdp: gathered for the whole call
                 return self.model.generate(
                     input_ids=input_ids, attention_mask=attention_mask, generation_config=self.generation_config,
-                    logits_processor=self.logits_processor,
+                    logits_processor=self.logits_processor, synced_gpus=False,  # unsharded: no per-token sync
                 )  # fmt: skip
         finally:
             self.model.generation_config = saved_config
@@ -686,7 +686,8 @@ class DapoTrainer:
                     start = time.perf_counter()
                     rollout = {key: values[:take] for key, values in state.buffer.items()}
                     state.buffer = {key: values[take:] for key, values in state.buffer.items()}
-                    state.rollout, state.updates_done = self.make_micro_batches(rollout), 0
+                    rollout = self.world.equal_micro_batches(self.make_micro_batches, rollout, args.batch_size)
+                    state.rollout, state.updates_done = rollout, 0
                     metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)
                     metrics["num_gen_batches"].append(state.rounds)
                     state.rounds = 0
@@ -806,7 +807,8 @@ class DapoTrainer:
         eval_subset = self.world.share(eval_subset)  # under torchrun, each rank evaluates every N-th problem
         self.model.eval()
         correct_count, total_count, examples = 0, 0, []
-        for batch in DataLoader(eval_subset, batch_size=batch_size, shuffle=False):
+        batches = DataLoader(eval_subset, batch_size=batch_size, shuffle=False)
+        for batch in self.world.while_unsharded(self.model, batches):  # --fsdp: gathered once for all batches
             input_ids, attention_mask = self.encode_prompts(batch["prompt"])
             # Responses start right after the padded prompt, at the same column for every row.
             response_ids = self.sample(input_ids, attention_mask)[:, input_ids.size(1) :]
@@ -827,9 +829,10 @@ class DapoTrainer:
         return example_records(prompts, responses, answers, rewards, self.reward_names)
 
     def save_model(self):
+        state = self.world.full_model_state(self.model)  # --fsdp: gathered from every rank; else None
         if not self.world.is_main:
             return
-        self.model.save_pretrained(self.args.output_dir)
+        self.model.save_pretrained(self.args.output_dir, state_dict=state)
         self.tokenizer.save_pretrained(self.args.output_dir)
 
 
