@@ -1,13 +1,17 @@
-"""Checkpoints that resume a run exactly: save, find, load, and cut the logs back to the checkpoint's step."""
+"""Models and checkpoints: load a policy (folder or .gguf); save, find and load checkpoints that resume a run
+exactly, cutting the logs back to the checkpoint's step; Ctrl-C that stops at a step end with a checkpoint."""
 
 import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import signal
+import threading
 
 import torch
-from transformers import AutoModelForCausalLM
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from curves import read_jsonl, read_step_log
 
@@ -19,25 +23,45 @@ STEP_SETTINGS = ("num_generations", "batch_size", "gradient_accumulation_steps",
 STEP_SETTINGS += ("num_iterations", "loss_agg_mode", "filter_metric", "seed", "use_vllm")
 
 
+def load_causal_lm(path):
+    """A float32 causal LM from a Hugging Face folder, or from a .gguf file (dequantised on load)."""
+    if not path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None  # plain float32 weights now: forget the GGUF "quantizer" so that saving works
+    del model.config.quantization_config
+    return model
+
+
+def load_tokenizer(path):
+    if path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
+
+
 def checkpoint_path(output_dir, step):
     return os.path.join(output_dir, f"checkpoint_{step}")
 
 
-def save_checkpoint(trainer):
+def save_checkpoint(trainer, model_state=None, optimizer_state=None):
     """output_dir/checkpoint_N: model, tokenizer, optimizer, scheduler, loop position, RNG, arguments.
 
     Written at a step end to checkpoint_N.tmp and renamed into place, so a crash (or a full disk) never
     leaves a complete-looking half checkpoint. Older checkpoints then keep weights and tokenizer only.
+    model_state, optimizer_state: the full states when the trainer's are sharded (--fsdp; see
+    distributed.World.save_checkpoint); None = the model's and optimizer's own.
     """
     args, step = trainer.args, trainer.state.update_steps
     final = checkpoint_path(args.output_dir, step)
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        trainer.model.save_pretrained(tmp)
+        trainer.model.save_pretrained(tmp, state_dict=model_state)
         trainer.tokenizer.save_pretrained(tmp)
         cuda_rng = torch.cuda.get_rng_state_all() if args.device.startswith("cuda") else []
-        state = {"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()}
+        optimizer_state = trainer.optimizer.state_dict() if optimizer_state is None else optimizer_state
+        state = {"optimizer": optimizer_state, "scheduler": trainer.scheduler.state_dict()}
         state.update(loop=trainer.state.state_dict(), rng=torch.get_rng_state(), cuda_rng=cuda_rng)
         torch.save(state, os.path.join(tmp, TRAINER_STATE))
         # Absolute paths: a resumed run may start in another working directory.
@@ -86,11 +110,13 @@ def resume(trainer, checkpoint, cut_logs=True):
     ]
     if changed:
         raise ValueError(f"cannot resume {checkpoint} with other step settings: {', '.join(changed)}; start a new run")
-    saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location=args.device, weights_only=True)
+    world = trainer.world  # --fsdp: full states in CPU memory, each rank keeps its shard
+    device = "cpu" if world.fsdp else args.device
+    saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location=device, weights_only=True)
     weights = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
-    trainer.model.load_state_dict(weights)
+    world.load_model_state(trainer.model, weights)
     settings = [{k: v for k, v in group.items() if k != "params"} for group in trainer.optimizer.param_groups]
-    trainer.optimizer.load_state_dict(saved["optimizer"])
+    world.load_optimizer_state(trainer.model, trainer.optimizer, saved["optimizer"])
     trainer.scheduler.load_state_dict(saved["scheduler"])
     trainer.scheduler.base_lrs = [args.lr] * len(settings)
     for group, setting in zip(trainer.optimizer.param_groups, settings):  # this run's settings, not the saved ones
@@ -148,3 +174,24 @@ def find_checkpoint(resume, output_dir):
             "only the newest checkpoint keeps one)"
         )
     return resume
+
+
+@contextlib.contextmanager
+def deferred_interrupts(trainer):
+    """First Ctrl-C: the trainer finishes its optimizer step, saves a checkpoint and stops (it reads
+    trainer.stop_requested at each step end). Second: stop at once."""
+
+    def request_stop(signum, frame):
+        if trainer.stop_requested:
+            raise KeyboardInterrupt
+        trainer.stop_requested = True
+        tqdm.write("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: stop now, no checkpoint)")
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, request_stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -1,12 +1,87 @@
-"""The command line of train.py: `--field=value` for every DapoArguments field, and the checks that can run
-before a model loads (input folders, output_dir, reward weights), each failing with one line and its fix."""
+"""The command line of train.py: `--field=value` for every DapoArguments field, the settings a run starts from
+(--demo, --resume), and the checks that run before a model loads (DapoArguments' values, input folders, the
+data set's splits and columns, output_dir, reward weights), each failing with one line naming the problem and
+its fix."""
 
 import argparse
 import dataclasses
+import importlib.util
+import math
 import os
 import sys
+import typing
 
+import datasets
+import torch
 from transformers import HfArgumentParser
+
+import distributed
+from checkpoints import checkpoint_arguments, find_checkpoint, find_checkpoints
+
+
+def check_arguments(args):
+    """Reject bad DapoArguments up front, before anything loads, naming each field and the fix."""
+    at_least_1 = "gradient_accumulation_steps steps_per_generation num_iterations batch_size epoch save_steps".split()
+    at_least_1 += "max_prompt_length max_generate_length eval_steps eval_samples eval_batch_size".split()
+    at_least_0 = "max_steps beta weight_decay warmup_steps max_grad_norm top_k lr max_num_gen_batches".split()
+    at_least_0 += "save_total_limit overlong_penalty_factor vllm_importance_sampling_cap".split()
+    errors = [f"{name} must be >= 1" for name in at_least_1 if getattr(args, name) < 1]
+    errors += [f"{name} must be >= 0 (0 = off)" for name in at_least_0 if getattr(args, name) < 0]
+    values = dataclasses.asdict(args).items()
+    errors += [f"{k} must be finite, not {v}" for k, v in values if isinstance(v, float) and not math.isfinite(v)]
+    for field in dataclasses.fields(args):  # Literal[...] fields take one of their values
+        choices = typing.get_args(field.type) if typing.get_origin(field.type) is typing.Literal else None
+        if choices and getattr(args, field.name) not in choices:
+            errors.append(f"{field.name} must be one of {choices}")
+    vllm = not args.use_vllm  # True: the use_vllm checks pass
+    tracker = args.report_to if args.report_to in ("tensorboard", "wandb", "trackio") else None  # a package
+    checks = [
+        (args.num_generations >= 2, "num_generations must be >= 2 (a group needs two responses to compare)"),
+        (0 <= args.clip_eps_low < 1, "clip_eps_low must be in [0, 1)"),
+        (0 <= args.clip_eps_high < 1, "clip_eps_high must be in [0, 1)"),
+        (args.temperature > 0 and 0 < args.top_p <= 1, "temperature must be > 0 and top_p in (0, 1]"),
+        (args.overlong_buffer_len < args.max_generate_length, "overlong_buffer_len must be < max_generate_length"),
+        (not args.device.startswith("cuda") or torch.cuda.is_available(), "device is cuda but no GPU is visible"),
+        (all(isinstance(w, (int, float)) for w in args.reward_weights or []), "reward_weights must be numbers"),
+        (tracker is None or importlib.util.find_spec(tracker), f"report_to={tracker!r} needs: pip install {tracker}"),
+        (vllm or importlib.util.find_spec("vllm"), "use_vllm needs vLLM: pip install -r requirements-vllm.txt"),
+        (vllm or not args.model_path.endswith(".gguf"), "use_vllm cannot load a .gguf model: convert it first"),
+        (vllm or int(os.environ.get("WORLD_SIZE", "1")) == 1, "use_vllm does not run under torchrun yet"),
+        # vLLM's log-probs are raw (temperature 1): pi_old's must be too
+        (vllm or not args.score_with_temperature or args.temperature == 1, "score_with_temperature needs T = 1"),
+    ]
+    errors += [message for ok, message in checks if not ok] + distributed.fsdp_errors(args)
+    if errors:
+        raise ValueError("invalid DapoArguments: " + "; ".join(errors))
+
+
+def load_split(data_path, split, test_size, columns):
+    """One split of a local Hugging Face data set folder, with `columns` (question, answer) and no empty answer.
+    Without a "test" split, a fixed random test_size rows of "train" are held out as "test"."""
+    if not os.path.isdir(data_path):
+        raise FileNotFoundError(
+            f"data set folder {data_path!r} does not exist. Download it with `hf download swulling/gsm8k_chinese "
+            f"--repo-type dataset --local-dir {data_path}` (or from ModelScope), or set --data_path."
+        )
+    try:
+        data = datasets.load_dataset(data_path)
+    except Exception as error:  # datasets wraps Arrow's errors, e.g. an empty parquet file
+        cause = f"{error.__cause__ or error} (an empty or damaged file?)"
+        raise ValueError(f"cannot read the data set in {data_path!r}: {cause}") from error
+    if "test" not in data and "train" in data:
+        data = data["train"].train_test_split(test_size=test_size, seed=0)
+    if split not in data:
+        raise ValueError(f"data set {data_path!r} has no split {split!r}; it has {sorted(data)}.")
+    rows, found, where = data[split], data[split].column_names, f"split {split!r} of {data_path!r}"
+    missing = [c for c in columns if c not in found]
+    if missing:
+        raise ValueError(f"{where} lacks the column(s) {missing} of swulling/gsm8k_chinese; it has {found}")
+    if len(rows) == 0:
+        raise ValueError(f"{where} is empty; GSM8KDataset needs question/answer rows")
+    null_rows = [i for i, answer in enumerate(rows[columns[-1]]) if answer is None]
+    if null_rows:
+        raise ValueError(f"{where} has no {columns[-1]} in rows {null_rows[:10]}: fill or drop them")
+    return rows
 
 
 def parse_cli(arguments_class, argv=None):
@@ -29,6 +104,21 @@ def parse_cli(arguments_class, argv=None):
     return namespace, {name: value for name, value in given.items() if value is not dataclasses.MISSING}
 
 
+def run_settings(cli, given, default_output_dir):
+    """(overrides, checkpoint or None, the demo's warm-up steps): what was given on the command line, over
+    the checkpoint's settings (--resume), over the demo's (--demo)."""
+    defaults, warm_up_steps, checkpoint = {}, 0, None
+    if cli.demo:
+        from tiny_world import demo_settings
+
+        defaults, warm_up_steps = demo_settings(cli.preset)
+    if cli.resume:
+        output_dir = given.get("output_dir", defaults.get("output_dir", default_output_dir))
+        checkpoint = find_checkpoint(cli.resume, output_dir)
+        defaults |= checkpoint_arguments(checkpoint)
+    return defaults | given, checkpoint, warm_up_steps
+
+
 def download_help(args):
     return (
         "Download them first (about 3 GB and 5 MB; `hf` comes with huggingface_hub):\n"
@@ -42,9 +132,9 @@ def download_help(args):
     )
 
 
-def check_before_loading(args, num_reward_funcs, checkpoints):
-    """Exit with one line naming the problem and its fix. checkpoints: steps of output_dir's checkpoints
-    that a fresh run would leave for --resume=latest to find (empty when resuming)."""
+def check_before_loading(args, num_reward_funcs, fresh_run):
+    """Exit with one line naming the problem and its fix. A fresh run (not a resume) must not start in a
+    folder whose checkpoints --resume=latest would then mix with it."""
     if not os.path.exists(args.model_path) or not os.path.isdir(args.data_path):
         sys.exit(
             f"Model folder {args.model_path!r} or data set folder {args.data_path!r} not found.\n" + download_help(args)
@@ -67,6 +157,7 @@ def check_before_loading(args, num_reward_funcs, checkpoints):
         sys.exit(
             f"error: cannot write to output_dir {args.output_dir!r} ({error.strerror}): choose another --output_dir"
         )
+    checkpoints = find_checkpoints(args.output_dir) if fresh_run else []
     if checkpoints:  # --resume=latest must never pick up another run's checkpoint
         sys.exit(
             f"error: {args.output_dir!r} holds checkpoints of an earlier run (checkpoint_{max(checkpoints)}): "

@@ -19,6 +19,7 @@ held-out accuracy, measured only every eval_steps, is drawn with a marker at eac
 import contextlib
 import json
 import os
+import warnings
 
 ACCURACY_COLOR = "tab:red"
 
@@ -83,6 +84,14 @@ def smooth(values, window=None):
         lo, hi = max(0, i - half), min(n, i + half + 1)
         smoothed.append((prefix[hi] - prefix[lo]) / (hi - lo))
     return smoothed
+
+
+def redraw_curves(output_dir):
+    """plot_curves during training: a failure (no matplotlib, a bad log line, ...) is a warning, not a crash."""
+    try:
+        plot_curves(output_dir)
+    except Exception as error:  # noqa: BLE001
+        warnings.warn(f"could not draw curves.png: {error!r}")
 
 
 def plot_curves(output_dir):

@@ -18,9 +18,25 @@ How a step is shared (see setup's World for each piece):
     first. Evaluation splits its problems across ranks and sums the counts.
   - checkpoints hold every rank's loop state and RNG (gathered to rank 0), and the world size: a resume under
     another world size is refused with a message.
+
+--fsdp=true (World.apply_fsdp; models whose training state does not fit one GPU): torch's fully_shard
+(FSDP2) on every decoder layer, then the root, for the policy and the reference model. The rest stays:
+  - gradients are reduce-scattered by FSDP in each backward, summed (divide factor 1, ReduceOp.SUM), so
+    reduce_gradients does nothing; accumulation keeps sharded gradients (reduced every micro-step: the
+    unsynced alternative would hold full gradients until the last one).
+  - every forward and backward is a collective: equal_micro_batches gives every rank as many micro-batches,
+    padding with placeholders that weigh nothing (an empty loss, no unit in the step's count).
+  - generate (a forward per token, ranks stopping at different lengths) runs inside `unsharded`: the whole
+    model gathered once per call, once per evaluation (while_unsharded), resharded after.
+  - checkpoints and the final model: full states gathered to rank 0 (full_model_state,
+    full_optimizer_state) and written as one process writes them; a resume loads them on every rank and
+    keeps each shard (load_model_state, load_optimizer_state).
+Without --fsdp none of this runs, and torch.distributed.fsdp is never imported.
 """
 
 import atexit
+import contextlib
+import functools
 import os
 from collections import defaultdict
 
@@ -28,6 +44,22 @@ import torch
 import torch.distributed as dist
 
 GRAD_BUCKET = 2**24  # gradient elements per all-reduce (64 MB of float32)
+
+
+def fsdp_errors(args):
+    """DapoArguments.validate's checks of --fsdp: it shards over the processes of a torchrun launch, and
+    vLLM would need the whole model in one process."""
+    if not args.fsdp:
+        return []
+    errors = []
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        errors.append(
+            "fsdp shards the model over several processes and this run has one: launch it with "
+            "`torchrun --nproc_per_node=N train.py --fsdp=true` (N >= 2), or drop --fsdp"
+        )
+    if args.use_vllm:
+        errors.append("fsdp and use_vllm cannot be combined (vLLM needs the whole model in one process)")
+    return errors
 
 
 def setup(device="cpu"):
@@ -78,6 +110,8 @@ class World:
     def __init__(self, rank=0, size=1, device="cpu"):
         self.rank, self.size, self.device = rank, size, device
         self.synced_skips = 0  # state.skipped_groups (over all ranks) at the last sync; set again by resume
+        self.fsdp = False  # set by apply_fsdp
+        self.unsharded_depth = 0  # nested `unsharded` blocks: the outermost gathers and reshards
 
     @property
     def is_main(self):
@@ -114,15 +148,20 @@ class World:
 
     # ---- the model ----
     def broadcast_parameters(self, model):
-        """Start every rank from rank 0's weights (they load the same files; this makes it certain)."""
+        """Start every rank from rank 0's weights (they load the same files; this makes it certain). A model
+        still on the CPU under NCCL (--fsdp keeps it there until sharded) goes over one tensor at a time."""
         if self.size > 1:
             for tensor in model.state_dict().values():
-                dist.broadcast(tensor.data, src=0)
+                on_device = tensor.data if tensor.device.type == self.device else tensor.data.to(self.device)
+                dist.broadcast(on_device, src=0)
+                if on_device is not tensor.data:
+                    tensor.data.copy_(on_device)
 
     def reduce_gradients(self, model):
         """Sum the step's gradients over ranks (in place; a rank without a micro-batch adds zeros). The losses
-        are already divided by the whole step's unit count, so the sum is the one-process gradient."""
-        if self.size == 1:
+        are already divided by the whole step's unit count, so the sum is the one-process gradient. Under
+        --fsdp, nothing: FSDP reduce-scattered them (summed) in each backward."""
+        if self.size == 1 or self.fsdp:
             return
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
@@ -137,6 +176,130 @@ class World:
                 for g, chunk in zip(bucket, flat.split([g.numel() for g in bucket])):
                     g.copy_(chunk.view_as(g))
                 bucket = []
+
+    # ---- FSDP (--fsdp) ----
+    def apply_fsdp(self, enabled, *models):
+        """--fsdp: shard each model (None skipped) with torch's fully_shard (FSDP2): every decoder layer, then
+        the root (embeddings, final norm, lm_head). Parameters, gradients and the optimizer's states (made
+        afterwards, over the sharded parameters) then live 1/N on each rank; a module's full parameters
+        exist only around its forward and backward. Gradients are reduce-scattered as a plain SUM (divide
+        factor 1), as reduce_gradients would. Without --fsdp, nothing (and nothing imported)."""
+        if not enabled:
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.device, (self.size,))
+        for model in models:
+            if model is None:
+                continue
+            layers = getattr(getattr(model, "model", None), "layers", None)
+            if layers is None:
+                raise ValueError(f"--fsdp shards decoder layers model.model.layers; {type(model).__name__} has none")
+            for layer in layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            for module in fsdp_modules(model):
+                module.set_gradient_divide_factor(1.0)  # the losses are divided by the step's units already
+                module.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM: no PREMUL_SUM (gloo has none)
+        self.fsdp = True
+
+    @contextlib.contextmanager
+    def unsharded(self, model):
+        """--fsdp: the whole model gathered on every rank for the block, resharded after. generate calls
+        forward once per token and ranks stop at different lengths, so per-forward all-gathers would not
+        pair up across ranks (a hang); one all-gather per block does. Nested blocks gather once."""
+        if not self.fsdp or self.unsharded_depth:
+            self.unsharded_depth += 1
+            try:
+                yield
+            finally:
+                self.unsharded_depth -= 1
+            return
+        modules = fsdp_modules(model)
+        for module in modules:
+            module.set_reshard_after_forward(False, recurse=False)
+            module.unshard()
+        self.unsharded_depth = 1
+        try:
+            yield
+        finally:
+            self.unsharded_depth = 0
+            for module in modules:
+                module.reshard()
+                module.set_reshard_after_forward(module is not model, recurse=False)  # fully_shard's defaults
+
+    def while_unsharded(self, model, iterable):
+        """iterable's items, with the model unsharded from before the first to after the last (evaluation:
+        ranks may hold different numbers of batches, even none; each gathers once)."""
+        with self.unsharded(model):
+            yield from iterable
+
+    def equal_micro_batches(self, make, groups, batch_size):
+        """make(groups): the rollout's micro-batches. Under --fsdp every forward and backward is a collective,
+        so every rank needs as many micro-batches: the ranks with fewer get placeholders that weigh nothing
+        (one token of context, no response row: the loss is an empty sum and adds no unit to the step's
+        count, while forward and backward still run, all-gathering and reduce-scattering with the others)."""
+        if not self.fsdp:
+            return make(groups)
+        mine = -(-len(groups["advantages"]) // batch_size)
+        most = max(self.gather(mine))  # before any forward: the all-gathers must pair up
+        micro_batches = make(groups)
+        for _ in range(most - mine):
+            micro_batches += make(placeholder_group(self.device))
+        return micro_batches
+
+    def full_model_state(self, model):
+        """--fsdp: the full state dict (CPU tensors) on rank 0, {} on the others; collective. Else None (the
+        model's own state_dict is the full one)."""
+        if not self.fsdp:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def full_optimizer_state(self, model, optimizer):
+        """--fsdp: the optimizer's full state on rank 0, in optimizer.state_dict()'s own format (parameters
+        numbered in order), so that a checkpoint reads the same with or without FSDP; collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        by_name = get_optimizer_state_dict(model, optimizer, options=options)
+        if not self.is_main:
+            return None
+        state, groups, index = {}, [], 0
+        for group in by_name["param_groups"]:
+            numbers = list(range(index, index + len(group["params"])))
+            for number, name in zip(numbers, group["params"]):
+                if name in by_name["state"]:
+                    state[number] = by_name["state"][name]
+            groups.append(group | {"params": numbers})
+            index += len(numbers)
+        return {"state": state, "param_groups": groups}
+
+    def load_model_state(self, model, weights):
+        """model.load_state_dict(weights) with full weights; under --fsdp each rank keeps its shard."""
+        if not self.fsdp:
+            return model.load_state_dict(weights)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer_state(self, model, optimizer, saved):
+        """optimizer.load_state_dict(saved) with a full, numbered state dict; under --fsdp each rank keeps its
+        shard of it."""
+        if not self.fsdp:
+            return optimizer.load_state_dict(saved)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = [name for name, _ in model.named_parameters()]  # the optimizer's order: model.parameters()
+        by_name = {
+            "state": {names[number]: value for number, value in saved["state"].items()},
+            "param_groups": [
+                group | {"params": [names[n] for n in group["params"]]} for group in saved["param_groups"]
+            ],
+        }
+        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
     # ---- sampling ----
     def shard(self, batches):
@@ -198,9 +361,15 @@ class World:
 
     # ---- checkpoints ----
     def save_checkpoint(self, trainer, save):
-        """save(trainer) on rank 0 with every rank's loop state and RNG in the loop state's "ranks"."""
+        """save(trainer) on rank 0 with every rank's loop state and RNG in the loop state's "ranks". Under
+        --fsdp, the full model and optimizer state are gathered first (every rank takes part) and rank 0
+        writes them as one process would."""
         if self.size == 1:
             return save(trainer)
+        if self.fsdp:
+            model_state = self.full_model_state(trainer.model)
+            optimizer_state = self.full_optimizer_state(trainer.model, trainer.optimizer)
+            save = functools.partial(save, model_state=model_state, optimizer_state=optimizer_state)
         cuda_rng = torch.cuda.get_rng_state() if self.device == "cuda" else None
         mine = {"loop": trainer.state.state_dict(), "rng": torch.get_rng_state(), "cuda_rng": cuda_rng}
         everyone = self.gather(mine)
@@ -215,15 +384,16 @@ class World:
 
     def resume(self, trainer, checkpoint, resume):
         """resume(trainer, checkpoint) on every rank, then this rank's own loop state and RNG. Rank 0 alone
-        cuts the logs back, first; the others wait for it."""
+        cuts the logs back, first; the others wait for it (under --fsdp they load with it, then wait)."""
         if self.size == 1:
             return resume(trainer, checkpoint)
-        if not self.is_main:
+        fsdp = trainer.world.fsdp  # (this World may be main()'s: the trainer's knows)
+        if not self.is_main and not fsdp:  # --fsdp: loading the shards is collective, all ranks at once
             self.from_rank_0(None)
         try:
             resume(trainer, checkpoint, cut_logs=self.is_main)
         finally:
-            if self.is_main:
+            if self.is_main or fsdp:
                 self.from_rank_0(None)
         mine = trainer.state.ranks[self.rank]
         del trainer.state.ranks
@@ -232,3 +402,21 @@ class World:
         torch.set_rng_state(mine["rng"].cpu())
         if mine["cuda_rng"] is not None and self.device == "cuda":
             torch.cuda.set_rng_state(mine["cuda_rng"].cpu())
+
+
+def fsdp_modules(model):
+    """The modules fully_shard wrapped (the root among them), in model.modules() order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def placeholder_group(device):
+    """A micro-batch's worth of nothing for equal_micro_batches: one row of two tokens (a one-token prompt and
+    one response position) and no response row: the loss broadcasts to an empty [0, 1] tensor."""
+    return {
+        "prompt_response_ids": [torch.zeros(1, 2, dtype=torch.long, device=device)],
+        "attention_mask": [torch.ones(1, 2, dtype=torch.long, device=device)],
+        "action_mask": [torch.zeros(0, 1, dtype=torch.long, device=device)],
+        "advantages": [torch.zeros(0, device=device)],
+    }

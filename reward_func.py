@@ -11,8 +11,11 @@ from soft to hard, so that a model gets a learning signal before it can solve an
     mark_reward          0.5    dense, soft    0.125 for each tag+newline that occurs exactly once
 """
 
+import math
 import re
 from fractions import Fraction
+
+import torch
 
 ANSWER_REGEX = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # The seed's number regex was r"\d+\.\d+|\d+/\d+|\d+" (decimal | fraction | integer). It also
@@ -168,6 +171,35 @@ def reward_model_scores(model, tokenizer, prompts, responses):
     texts = [p + r for p, r in zip(prompts, responses)]
     inputs = tokenizer(texts, return_tensors="pt", padding=True).to(model.device)
     return model(**inputs).logits[:, 0].float()
+
+
+def reward_column(name, reward_func, reward_tokenizer, prompts, responses, answers, device):
+    """One reward function's (or reward model's) scores of N responses: [N] float32, NaN where it returned None
+    (no opinion). A wrong number of values or an infinite one is an error that names the function."""
+    if reward_tokenizer is not None:  # a reward model, scoring prompt + response
+        return reward_model_scores(reward_func, reward_tokenizer, prompts, responses)
+    values = list(reward_func(prompts=prompts, responses=responses, answers=answers))
+    if len(values) != len(responses):
+        raise ValueError(f"reward function {name} returned {len(values)} values for {len(responses)} responses")
+    values = [math.nan if v is None else float(v) for v in values]
+    if any(math.isinf(v) for v in values):
+        raise ValueError(f"reward function {name} returned an infinite reward; return None for no opinion")
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def example_records(prompts, responses, answers, rewards, reward_names):
+    """Responses as samples.jsonl records: prompt, response, extracted and reference answer, and what each reward
+    function gave (rewards [N, F]; None where it had no opinion)."""
+    return [
+        {
+            "prompt": prompt,
+            "response": response,
+            "extracted_answer": extract_answer(response),
+            "answer": normalize_answer(answer),
+            "rewards": {name: None if math.isnan(v) else v for name, v in zip(reward_names, row.tolist())},
+        }
+        for prompt, response, answer, row in zip(prompts, responses, answers, rewards)
+    ]
 
 
 def reward_func_name(reward_func):

@@ -42,6 +42,7 @@ import math
 import os
 import random
 import re
+import shutil
 
 import datasets
 import torch
@@ -49,6 +50,7 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from checkpoints import LOG_FILES, find_checkpoints
 from curves import read_step_log
 
 VOCAB_SIZE = 300  # the BPE stops at ~280: a prompt is ~31 tokens, Chinese phrases are single tokens
@@ -431,3 +433,12 @@ def demo_summary(history, output_dir):
         f"  logs: {output_dir}/accuracy_losses.txt, training_losses.txt, metrics.jsonl; curves.png",
     ]
     return "\n".join(lines)
+
+
+def demo_world(output_dir, system_prompt, warm_up_steps):
+    """A fresh demo in output_dir: clear its logs and checkpoints (an earlier run's would mix with this one's),
+    then build the world there. Returns (model_dir, data_dir)."""
+    for name in [*LOG_FILES, *(f"checkpoint_{step}" for step in find_checkpoints(output_dir))]:
+        path = os.path.join(output_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+    return build_tiny_world(output_dir, system_prompt, warm_up_steps=warm_up_steps)

