@@ -183,8 +183,9 @@ def ideal_response(row: dict) -> str:
     return f"<think>\n{calculation}\n</think>\n<answer>\n{row['answer_only']}\n</answer>\n"
 
 
-def build_tokenizer(texts: list[str]) -> transformers.PreTrainedTokenizerFast:
-    """Train a byte-level BPE with Qwen2's normalizer and pre-tokenizer on texts."""
+def build_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> transformers.PreTrainedTokenizerFast:
+    """Train a byte-level BPE with Qwen2's normalizer and pre-tokenizer on texts (a smaller vocab_size keeps
+    more texts apart in length: phrases stay several tokens)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -198,7 +199,7 @@ def build_tokenizer(texts: list[str]) -> transformers.PreTrainedTokenizerFast:
     # tiny; text made of other bytes cannot be encoded, so texts must cover everything the demo
     # feeds the model.
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(FORMAT_TOKENS),
+        vocab_size=vocab_size - len(FORMAT_TOKENS),
         special_tokens=SPECIAL_TOKENS,
         show_progress=False,
     )
@@ -321,11 +322,13 @@ def build_tiny_world(
     seed: int = 0,
     warm_up_steps: int = 0,
     warm_up_noise: float = WARM_UP_NOISE,
+    vocab_size: int = VOCAB_SIZE,
 ) -> tuple[str, str]:
     """Write the data set to root/gsm8k_tiny and the tokenizer + model to root/tiny-qwen2.
 
     warm_up_steps > 0 first teaches the model the answer format and the facts on the training problems
     (warm_up); its last WARM_UP_NOISY_SHARE of steps use responses of which warm_up_noise are wrong.
+    vocab_size: the tokenizer's (see build_tokenizer).
     """
     data_dir = write_dataset(os.path.join(root, "gsm8k_tiny"), num_train, num_test, seed)
     splits = make_splits(num_train, num_test, seed)
@@ -333,7 +336,7 @@ def build_tiny_world(
     # Every prompt train.py will build, plus a well-formatted answer, so that the tokenizer covers
     # all characters and the ideal completion is learnable.
     texts = [chatml_prompt(system_prompt, row["question_zh-cn"]) + ideal_response(row) + "<|im_end|>\n" for row in rows]
-    tokenizer = build_tokenizer(texts)
+    tokenizer = build_tokenizer(texts, vocab_size)
     model = build_tiny_model(tokenizer, seed)
     if warm_up_steps:
         pairs = [(chatml_prompt(system_prompt, row["question_zh-cn"]), row) for row in splits["train"]]

@@ -20,8 +20,10 @@ FAST = dict(device="cpu", max_generate_length=12, eval_samples=4, eval_batch_siz
 
 @pytest.fixture(scope="session")
 def world(tmp_path_factory):
-    """(model_dir, data_dir) of a tiny world written once per session."""
-    return build_tiny_world(str(tmp_path_factory.mktemp("world")), SYSTEM_PROMPT, num_train=32, num_test=8, seed=0)
+    """(model_dir, data_dir) of a tiny world written once per session. Its 120-token vocabulary (the demo's has
+    ~280) keeps phrases several tokens long: prompts of several lengths, random responses that hit a tag."""
+    root = str(tmp_path_factory.mktemp("world"))
+    return build_tiny_world(root, SYSTEM_PROMPT, num_train=32, num_test=8, seed=0, vocab_size=120)
 
 
 @pytest.fixture
@@ -52,9 +54,13 @@ def make_trainer(world, tmp_path):
 
 
 # ---------- helpers shared by the test files ----------
-def make_batch(trainer, n=1, offset=0):
-    """A DataLoader-style batch of n training problems."""
+def make_batch(trainer, n=1, offset=0, varied=False):
+    """A DataLoader-style batch of n training problems (varied: not all of one prompt length)."""
     rows = [trainer.train_dataset[offset + i] for i in range(n)]
+    if varied:  # the last one swapped for a problem whose prompt has another length: left padding matters
+        length = lambda row: int(trainer.encode_prompts([row["prompt"]])[1].sum())  # noqa: E731
+        rows[-1] = next(r for r in map(trainer.train_dataset.__getitem__, range(len(trainer.train_dataset)))
+                        if length(r) != length(rows[0]))  # fmt: skip
     return {"prompt": [r["prompt"] for r in rows], "answer": torch.tensor([r["answer"] for r in rows])}
 
 

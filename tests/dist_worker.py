@@ -37,7 +37,7 @@ def scripted_sampler(trainer, skip_on_rank=None):
             j = 0 if rank == skip_on_rank else i % G
             answer = (h + 3 * j) % 7
             text = (
-                f"<think>\n{str((h + j) % 10) * (1 + h % 3)}\n</think>\n<answer>\n{answer}\n</answer>"
+                f"<think>\n{str((h + j) % 10) * (1 + h % 9)}\n</think>\n<answer>\n{answer}\n</answer>"
                 if j % 2 == 0
                 else str(answer)
             )

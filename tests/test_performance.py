@@ -345,7 +345,7 @@ def test_batch_generation_same_samples_as_one_call_per_prompt(make_trainer, pad_
     padding = () if pad_to_longest else ("pad_to_max",)
     by_batch = make_seed_trainer(make_trainer, *padding, **settings) if padding else make_trainer(**settings)
     by_prompt = make_seed_trainer(make_trainer, "per_prompt_generate", *padding, **settings)
-    batch = make_batch(by_batch, 3)
+    batch = make_batch(by_batch, 3, varied=True)
     encoded = [by_batch.encode_prompts([p]) for p in batch["prompt"]]
     prompt_tokens = [tuple(ids[0][mask[0].bool()].tolist()) for ids, mask in encoded]
     assert len({len(t) for t in prompt_tokens}) > 1  # prompts of different lengths: left padding matters

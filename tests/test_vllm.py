@@ -60,7 +60,7 @@ def tiny():
         chatml_prompt("You are a helpful assistant.", r["question_zh-cn"]) + ideal_response(r) + "<|im_end|>\n"
         for r in rows
     ]
-    tokenizer = build_tokenizer(texts)
+    tokenizer = build_tokenizer(texts, vocab_size=120)  # prompts of several lengths
     model = tiny_qwen2(tokenizer)
     sampler = VllmSampler(model, device="cpu", dtype=torch.float32, max_model_len=512, seed=0)
     prompts = [

@@ -33,7 +33,7 @@ def vllm_world(root, num_train=16, num_test=4, seed=0):
     splits = make_splits(num_train, num_test, seed)
     rows = splits["train"] + splits["test"]
     texts = [chatml_prompt(train.SYSTEM_PROMPT, r["question_zh-cn"]) + ideal_response(r) + "<|im_end|>\n" for r in rows]
-    tokenizer = build_tokenizer(texts)
+    tokenizer = build_tokenizer(texts, vocab_size=120)  # random responses then hit a format tag now and then
     endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = transformers.Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
