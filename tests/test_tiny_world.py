@@ -193,10 +193,10 @@ def test_build_fails_loudly_if_the_reloaded_tokenizer_loses_characters(tmp_path,
     """The transformers 5 pitfall: a qwen2 model folder reloads as Qwen2Tokenizer, which swaps in a
     byte-level pipeline, so a character-level vocabulary silently loses every Chinese character."""
 
-    def char_level_tokenizer(texts):
+    def char_level_tokenizer(texts, vocab_size=150):
         backend = Tokenizer(models.BPE())
         backend.decoder = decoders.Fuse()
-        trainer = trainers.BpeTrainer(vocab_size=150, special_tokens=SPECIALS)
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS)
         backend.train_from_iterator(texts, trainer)
         return PreTrainedTokenizerFast(
             tokenizer_object=backend,
