@@ -15,7 +15,6 @@ import datasets
 import torch
 from transformers import HfArgumentParser
 
-import distributed
 from checkpoints import checkpoint_arguments, find_checkpoint, find_checkpoints
 
 
@@ -34,6 +33,7 @@ def check_arguments(args):
         if choices and getattr(args, field.name) not in choices:
             errors.append(f"{field.name} must be one of {choices}")
     vllm = not args.use_vllm  # True: the use_vllm checks pass
+    processes = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
     tracker = args.report_to if args.report_to in ("tensorboard", "wandb", "trackio") else None  # a package
     checks = [
         (args.num_generations >= 2, "num_generations must be >= 2 (a group needs two responses to compare)"),
@@ -46,11 +46,15 @@ def check_arguments(args):
         (tracker is None or importlib.util.find_spec(tracker), f"report_to={tracker!r} needs: pip install {tracker}"),
         (vllm or importlib.util.find_spec("vllm"), "use_vllm needs vLLM: pip install -r requirements-vllm.txt"),
         (vllm or not args.model_path.endswith(".gguf"), "use_vllm cannot load a .gguf model: convert it first"),
-        (vllm or int(os.environ.get("WORLD_SIZE", "1")) == 1, "use_vllm does not run under torchrun yet"),
+        (vllm or processes == 1, "use_vllm does not run under torchrun yet"),
+        (
+            not args.fsdp or processes > 1,
+            "fsdp shards over processes: torchrun --nproc_per_node=N train.py --fsdp=true",
+        ),
         # vLLM's log-probs are raw (temperature 1): pi_old's must be too
         (vllm or not args.score_with_temperature or args.temperature == 1, "score_with_temperature needs T = 1"),
     ]
-    errors += [message for ok, message in checks if not ok] + distributed.fsdp_errors(args)
+    errors += [message for ok, message in checks if not ok]
     if errors:
         raise ValueError("invalid DapoArguments: " + "; ".join(errors))
 
@@ -109,9 +113,9 @@ def run_settings(cli, given, default_output_dir):
     the checkpoint's settings (--resume), over the demo's (--demo)."""
     defaults, warm_up_steps, checkpoint = {}, 0, None
     if cli.demo:
-        from tiny_world import demo_settings
+        from tiny_world import DEMO_ARGS, DEMO_WARM_UP_STEPS  # --preset paper too: the same world and steps
 
-        defaults, warm_up_steps = demo_settings(cli.preset)
+        defaults, warm_up_steps = dict(DEMO_ARGS), DEMO_WARM_UP_STEPS
     if cli.resume:
         output_dir = given.get("output_dir", defaults.get("output_dir", default_output_dir))
         checkpoint = find_checkpoint(cli.resume, output_dir)

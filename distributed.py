@@ -46,22 +46,6 @@ import torch.distributed as dist
 GRAD_BUCKET = 2**24  # gradient elements per all-reduce (64 MB of float32)
 
 
-def fsdp_errors(args):
-    """DapoArguments.validate's checks of --fsdp: it shards over the processes of a torchrun launch, and
-    vLLM would need the whole model in one process."""
-    if not args.fsdp:
-        return []
-    errors = []
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        errors.append(
-            "fsdp shards the model over several processes and this run has one: launch it with "
-            "`torchrun --nproc_per_node=N train.py --fsdp=true` (N >= 2), or drop --fsdp"
-        )
-    if args.use_vllm:
-        errors.append("fsdp and use_vllm cannot be combined (vLLM needs the whole model in one process)")
-    return errors
-
-
 def setup(device="cpu"):
     """This process's World: one process when WORLD_SIZE is unset or 1; else join (or reuse) the process
     group: NCCL when the device is CUDA (each process on cuda:LOCAL_RANK), gloo on CPU."""
@@ -383,17 +367,18 @@ class World:
         return self.from_rank_0(path)  # also keeps the others from going on before the checkpoint exists
 
     def resume(self, trainer, checkpoint, resume):
-        """resume(trainer, checkpoint) on every rank, then this rank's own loop state and RNG. Rank 0 alone
+        """Called on trainer.world (its sync counter is what rollout_size reads next).
+        resume(trainer, checkpoint) on every rank, then this rank's own loop state and RNG. Rank 0 alone
         cuts the logs back, first; the others wait for it (under --fsdp they load with it, then wait)."""
+        assert trainer.world is self, "resume through trainer.world: it holds this rank's sync state"
         if self.size == 1:
             return resume(trainer, checkpoint)
-        fsdp = trainer.world.fsdp  # (this World may be main()'s: the trainer's knows)
-        if not self.is_main and not fsdp:  # --fsdp: loading the shards is collective, all ranks at once
+        if not self.is_main and not self.fsdp:  # --fsdp: loading the shards is collective, all ranks at once
             self.from_rank_0(None)
         try:
             resume(trainer, checkpoint, cut_logs=self.is_main)
         finally:
-            if self.is_main or fsdp:
+            if self.is_main or self.fsdp:
                 self.from_rank_0(None)
         mine = trainer.state.ranks[self.rank]
         del trainer.state.ranks

@@ -177,10 +177,13 @@ def chatml_prompt(system_prompt: str, question: str) -> str:
     )
 
 
-def ideal_response(row: dict) -> str:
-    """A perfectly formatted completion; the reasoning is the calculator annotation, e.g. 3+5=8."""
+def ideal_response(row: dict, result=None) -> str:
+    """A perfectly formatted completion; the reasoning is the calculator annotation, e.g. 3+5=8. result: another
+    number to state as the result, in the calculation and in <answer> (the noisy warm-up's wrong answers)."""
     calculation = re.search(r"<<(.+?)>>", row["answer"]).group(1)
-    return f"<think>\n{calculation}\n</think>\n<answer>\n{row['answer_only']}\n</answer>\n"
+    result = row["answer_only"] if result is None else result
+    calculation = calculation[: calculation.rindex("=") + 1] + str(result)
+    return f"<think>\n{calculation}\n</think>\n<answer>\n{result}\n</answer>\n"
 
 
 def build_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> transformers.PreTrainedTokenizerFast:
@@ -269,10 +272,7 @@ def noisy_response(row: dict, noise: float, rng: random.Random) -> str:
     if rng.random() >= noise:
         return ideal_response(row)
     c = row["answer_only"]
-    wrong = rng.choice([x for x in (c - 3, c - 2, c - 1, c + 1, c + 2, c + 3) if x >= 0])
-    calculation = re.search(r"<<(.+?)>>", row["answer"]).group(1)
-    calculation = calculation[: calculation.rindex("=") + 1] + str(wrong)
-    return f"<think>\n{calculation}\n</think>\n<answer>\n{wrong}\n</answer>\n"
+    return ideal_response(row, rng.choice([x for x in (c - 3, c - 2, c - 1, c + 1, c + 2, c + 3) if x >= 0]))
 
 
 def warm_up(
@@ -293,7 +293,8 @@ def warm_up(
     with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
         torch.manual_seed(seed)
         for step in range(steps):
-            step_noise = noise if step >= steps - noisy_steps else 0.0
+            noisy = step >= steps - noisy_steps  # the last noisy_steps: wrong answers, and the lr falling to 0
+            step_noise = noise if noisy else 0.0
             picks = rng.sample(range(len(prompts)), min(batch_size, len(prompts)))
             responses = [noisy_response(prompts_and_rows[k][1], step_noise, rng) + end for k in picks]
             response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
@@ -304,9 +305,7 @@ def warm_up(
             lengths = torch.tensor([len(ids) for ids, _ in batch])
             attention_mask = (torch.arange(width)[None] < lengths[:, None]).long()  # right padding
             model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
-            if (
-                step >= steps - noisy_steps
-            ):  # the noisy phase's lr falls to 0, so the model fits the mix, not the last batches
+            if noisy:  # so that the model fits the mix of answers, not the last batches
                 optimizer.param_groups[0]["lr"] = lr * (steps - step) / noisy_steps
             optimizer.step()
             optimizer.zero_grad()
@@ -391,12 +390,8 @@ DEMO_ARGS = dict(
     save_steps=80,  # checkpoints at steps 80 and 160: an interrupted demo resumes with --demo --resume=latest
 )
 DEMO_WARM_UP_STEPS = 450  # 300 clean, then 150 noisy (WARM_UP_NOISY_SHARE)
-
-
-def demo_settings(preset: str) -> tuple[dict, int]:
-    """(DapoArguments overrides, warm-up steps) of the demo. The same for --preset paper: the warm-up leaves the
-    model right ~1 time in 5 at the paper's temperature 1, so its filter (0 < #correct < G) keeps most groups."""
-    return dict(DEMO_ARGS), DEMO_WARM_UP_STEPS
+# --demo --preset paper uses the same world and settings: the warm-up leaves the model right ~1 time in 5 at the
+# paper's temperature 1, so its filter (keep a group only if 0 < #correct < G) keeps most groups.
 
 
 def demo_summary(history, output_dir):

@@ -830,10 +830,10 @@ class DapoTrainer:
 
     def save_model(self):
         state = self.world.full_model_state(self.model)  # --fsdp: gathered from every rank; else None
-        if not self.world.is_main:
-            return
-        self.model.save_pretrained(self.args.output_dir, state_dict=state)
-        self.tokenizer.save_pretrained(self.args.output_dir)
+        if self.world.is_main:
+            self.model.save_pretrained(self.args.output_dir, state_dict=state)
+            self.tokenizer.save_pretrained(self.args.output_dir)
+        self.world.from_rank_0(None)  # the ranks leave together: none tears the process group down mid-write
 
 
 # ============================================================
@@ -879,7 +879,7 @@ def main(argv=None):
     try:
         trainer = build_trainer(args)
         if checkpoint:
-            world.resume(trainer, checkpoint, resume)
+            trainer.world.resume(trainer, checkpoint, resume)  # the trainer's World: it holds the sync state
         trainer.train()
     except (ValueError, NoTrainingStep) as error:  # a refused resume, a run that never stepped
         sys.exit(f"error: {error}")

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from checkpoints import resume  # noqa: E402
 from train import SEED_REWARD_FUNCS, DapoArguments, DapoTrainer, GSM8KDataset  # noqa: E402
 
 scenario, model_dir, data_dir, out = sys.argv[1:5]
@@ -80,7 +81,8 @@ if scenario == "equivalence":  # one optimizer step per loss_agg_mode; plain SGD
         report[mode] = trainer.history[-1]["num_tokens"]
         result[mode]["grad_norm"] = torch.tensor(trainer.history[-1]["grad_norm"])  # clip_grad_norm_'s, over shards
 elif scenario == "starved_rank":  # rank 1 keeps no group: rank 0 fills every step
-    trainer = make_trainer(out, max_steps=3, filter_metric="reward", batch_size=1, **overrides)
+    starved = dict(filter_metric="reward", batch_size=1, save_steps=3, **overrides)
+    trainer = make_trainer(out, max_steps=3, **starved)
     if trainer.world.fsdp:  # real generate, ranks asking for different lengths: one all-gather per call
         with trainer.world.unsharded(trainer.model):
             ids = torch.ones(1, 3, dtype=torch.long)
@@ -92,6 +94,13 @@ elif scenario == "starved_rank":  # rank 1 keeps no group: rank 0 fills every st
     report |= {"steps": trainer.state.update_steps, "history": [r["step"] for r in trainer.history]}
     report["skipped_groups"] = trainer.state.skipped_groups
     report["num_gen_batches"] = [r.get("num_gen_batches") for r in trainer.history]
+    if not trainer.world.fsdp:  # (--fsdp resumes in test_train_py_with_fsdp_saves_resumes_...)
+        # Resumed from checkpoint_3 under 2 processes: the skip count goes on from the checkpoint's.
+        resumed = make_trainer(out, max_steps=4, **starved)
+        scripted_sampler(resumed, skip_on_rank=1)
+        resumed.world.resume(resumed, os.path.join(out, "checkpoint_3"), resume)
+        resumed.train()
+        report["skipped_after_resume"] = resumed.state.skipped_groups
     # Now every rank skips everything: the max_num_gen_batches error must come on all ranks, at the same round.
     trainer = make_trainer(out + "_starved", max_steps=3, filter_metric="reward", max_num_gen_batches=3)
     scripted_sampler(trainer, skip_on_rank=rank)
