@@ -17,7 +17,8 @@ from curves import read_jsonl, read_step_log
 
 TRAINER_STATE = "trainer_state.pt"  # in the newest checkpoint: optimizer, scheduler, loop state, RNG
 ARGS_FILE = "dapo_args.json"  # in each checkpoint: the DapoArguments used
-LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl")  # in output_dir
+# in output_dir
+LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl", "evaluations.jsonl")
 # What one optimizer step is made of: changing one of these on resume would silently change the run.
 STEP_SETTINGS = ("num_generations", "batch_size", "gradient_accumulation_steps", "steps_per_generation")
 STEP_SETTINGS += ("num_iterations", "loss_agg_mode", "filter_metric", "seed", "use_vllm")

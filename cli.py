@@ -15,14 +15,15 @@ import datasets
 import torch
 from transformers import HfArgumentParser
 
-from checkpoints import checkpoint_arguments, find_checkpoint, find_checkpoints
+from checkpoints import checkpoint_arguments, checkpoint_path, find_checkpoint, find_checkpoints
 
 
 def check_arguments(args):
     """Reject bad DapoArguments up front, before anything loads, naming each field and the fix."""
     at_least_1 = "gradient_accumulation_steps steps_per_generation num_iterations batch_size epoch save_steps".split()
-    at_least_1 += "max_prompt_length max_generate_length eval_steps eval_samples eval_batch_size".split()
+    at_least_1 += "max_prompt_length max_generate_length eval_steps eval_batch_size eval_num_generations".split()
     at_least_0 = "max_steps beta weight_decay warmup_steps max_grad_norm top_k lr max_num_gen_batches".split()
+    at_least_0 += ["eval_samples"]
     at_least_0 += "save_total_limit overlong_penalty_factor vllm_importance_sampling_cap".split()
     errors = [f"{name} must be >= 1" for name in at_least_1 if getattr(args, name) < 1]
     errors += [f"{name} must be >= 0 (0 = off)" for name in at_least_0 if getattr(args, name) < 0]
@@ -61,7 +62,7 @@ def check_arguments(args):
 
 def load_split(data_path, split, test_size, columns):
     """One split of a local Hugging Face data set folder, with `columns` (question, answer) and no empty answer.
-    Without a "test" split, a fixed random test_size rows of "train" are held out as "test"."""
+    Without a "test" split, a fixed random test_size rows of "train" are held out as "test" (test_size 0: none)."""
     if not os.path.isdir(data_path):
         raise FileNotFoundError(
             f"data set folder {data_path!r} does not exist. Download it with `hf download swulling/gsm8k_chinese "
@@ -72,7 +73,7 @@ def load_split(data_path, split, test_size, columns):
     except Exception as error:  # datasets wraps Arrow's errors, e.g. an empty parquet file
         cause = f"{error.__cause__ or error} (an empty or damaged file?)"
         raise ValueError(f"cannot read the data set in {data_path!r}: {cause}") from error
-    if "test" not in data and "train" in data:
+    if "test" not in data and "train" in data and test_size:
         data = data["train"].train_test_split(test_size=test_size, seed=0)
     if split not in data:
         raise ValueError(f"data set {data_path!r} has no split {split!r}; it has {sorted(data)}.")
@@ -98,12 +99,16 @@ def parse_cli(arguments_class, argv=None):
     parser.add_argument("--preset", choices=["seed", "paper"], default="seed", help="seed's or the paper's settings")
     parser.add_argument("--resume", metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest'")
     parser.add_argument("--plot", metavar="DIR", help="draw DIR/curves.png from an existing output folder, then exit")
+    parser.add_argument("--eval_only", action="store_true", help="evaluate model_path on the test split, no training")
+    parser.add_argument("--compare", metavar="MODEL", help="with --eval_only: a second model, in a before/after table")
     fields = [f.name for f in dataclasses.fields(arguments_class)]
     argv = list(sys.argv[1:] if argv is None else argv)
     for i, token in enumerate(argv):  # `--reward_weights=1,0.5` -> `--reward_weights 1 0.5`
         if token.startswith("--reward_weights="):
             argv[i : i + 1] = ["--reward_weights", *token.split("=", 1)[1].split(",")]
     namespace = parser.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(fields, dataclasses.MISSING)))
+    if namespace.compare and not namespace.eval_only:
+        parser.error("--compare=MODEL compares two models without training: add --eval_only")
     given = {name: getattr(namespace, name) for name in fields}
     return namespace, {name: value for name, value in given.items() if value is not dataclasses.MISSING}
 
@@ -136,6 +141,16 @@ def download_help(args):
     )
 
 
+def check_output_dir(output_dir):
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        probe = os.path.join(output_dir, ".write_test")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as error:
+        sys.exit(f"error: cannot write to output_dir {output_dir!r} ({error.strerror}): choose another --output_dir")
+
+
 def check_before_loading(args, num_reward_funcs, fresh_run):
     """Exit with one line naming the problem and its fix. A fresh run (not a resume) must not start in a
     folder whose checkpoints --resume=latest would then mix with it."""
@@ -152,18 +167,35 @@ def check_before_loading(args, num_reward_funcs, fresh_run):
         sys.exit(
             f"error: reward_weights has {len(args.reward_weights)} entries for {num_reward_funcs} reward functions"
         )
-    try:
-        os.makedirs(args.output_dir, exist_ok=True)
-        probe = os.path.join(args.output_dir, ".write_test")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as error:
-        sys.exit(
-            f"error: cannot write to output_dir {args.output_dir!r} ({error.strerror}): choose another --output_dir"
-        )
+    check_output_dir(args.output_dir)
     checkpoints = find_checkpoints(args.output_dir) if fresh_run else []
     if checkpoints:  # --resume=latest must never pick up another run's checkpoint
         sys.exit(
             f"error: {args.output_dir!r} holds checkpoints of an earlier run (checkpoint_{max(checkpoints)}): "
             "continue it with --resume=latest, or start this one in another --output_dir"
         )
+
+
+def eval_model(path, flag):
+    """What --eval_only loads for a model path: a .gguf file or a model folder (a checkpoint_N, a finished run's
+    output_dir) as it is; a run's output_dir without a final model, its newest checkpoint. Else one line, exit."""
+    if (path.endswith(".gguf") and os.path.isfile(path)) or os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if find_checkpoints(path):
+        return checkpoint_path(path, max(find_checkpoints(path)))
+    sys.exit(
+        f"error: {flag} {path!r} is not a model: give a model folder (with config.json), a .gguf file, a "
+        "checkpoint_N folder or the output_dir of a run"
+    )
+
+
+def check_eval_only(args, compare, columns):
+    """--eval_only's checks before anything loads, each exiting with one line: the model(s) exist, the data set
+    has a test split with rows and the columns, output_dir is writable. Returns the model paths to evaluate."""
+    models = [eval_model(args.model_path, "--model_path")] + ([eval_model(compare, "--compare")] if compare else [])
+    try:
+        load_split(args.data_path, "test", 0, columns)  # 0: no test rows held out of train, the real test split
+    except (FileNotFoundError, ValueError) as error:
+        sys.exit(f"error: --eval_only evaluates on the test split: {error}")
+    check_output_dir(args.output_dir)
+    return models

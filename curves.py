@@ -5,7 +5,8 @@
 Inputs (any may be missing; the seed's two text files alone are enough):
     training_losses.txt  "k,loss" per micro-step; it belongs to optimizer step k + 1, and the lines
                          of one step add up to that step's loss
-    accuracy_losses.txt  "step,accuracy" per evaluation (step 0 = before training)
+    accuracy_losses.txt  "step,accuracy" per evaluation (step 0 = before training): strict accuracy
+    evaluations.jsonl    one record per evaluation: "step", "eval/accuracy_lenient", ... (evaluation.py)
     metrics.jsonl        one record per optimizer step: "step", "reward", "rewards/<name>/mean",
                          "completions/mean_length", "completions/max_length", "frac_groups_skipped"
 
@@ -22,6 +23,7 @@ import os
 import warnings
 
 ACCURACY_COLOR = "tab:red"
+LENIENT_COLOR = "tab:purple"
 
 
 def read_step_log(path):
@@ -68,6 +70,13 @@ def read_metrics(path):
     return [records[step] for step in sorted(records)]
 
 
+def read_accuracies(output_dir):
+    """({step: strict accuracy} from accuracy_losses.txt, {step: lenient accuracy} from evaluations.jsonl)."""
+    strict = read_step_log(os.path.join(output_dir, "accuracy_losses.txt"))
+    evaluations = read_metrics(os.path.join(output_dir, "evaluations.jsonl"))
+    return strict, {r["step"]: r["eval/accuracy_lenient"] for r in evaluations if "eval/accuracy_lenient" in r}
+
+
 def smooth(values, window=None):
     """Centred moving average: point i is the mean of values[i - h : i + h + 1], h = window // 2,
     with the window cut short at both ends. window=None picks about a tenth of the series (odd)."""
@@ -97,7 +106,7 @@ def redraw_curves(output_dir):
 def plot_curves(output_dir):
     """Draw output_dir/curves.png from the logs there and return its path.
 
-    Panels: held-out accuracy (evaluation points), mean reward (total and per function), loss, and
+    Panels: held-out accuracy, strict and lenient (evaluation points), mean reward (total and per function), loss, and
     from metrics.jsonl also response length and the fraction of groups skipped by dynamic sampling.
     """
     import matplotlib
@@ -106,7 +115,7 @@ def plot_curves(output_dir):
     import matplotlib.pyplot as plt
 
     losses = {step + 1: value for step, value in read_step_log(os.path.join(output_dir, "training_losses.txt")).items()}
-    accuracy = read_step_log(os.path.join(output_dir, "accuracy_losses.txt"))
+    accuracy, lenient = read_accuracies(output_dir)
     records = read_metrics(os.path.join(output_dir, "metrics.jsonl"))
 
     def series(key):
@@ -134,7 +143,8 @@ def plot_curves(output_dir):
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.3 * len(panels) + 0.4), sharex=True, squeeze=False)
     for ax, (title, lines) in zip(axes[:, 0], panels):
         if lines is None:
-            draw_accuracy(ax, accuracy)
+            draw_accuracy(ax, accuracy, "strict (answer tags)", ACCURACY_COLOR)
+            draw_accuracy(ax, lenient, "lenient (final answer)", LENIENT_COLOR, below=True)
         else:
             for index, (label, points) in enumerate(lines.items()):
                 if points:
@@ -163,22 +173,19 @@ def draw_series(ax, points, label, color):
     ax.plot(steps, smooth(values), color=color, linewidth=1.8, label=f"{label} (moving avg)")
 
 
-def draw_accuracy(ax, accuracy):
-    """The evaluations as markers joined by a line, the first and last value written next to them."""
+def draw_accuracy(ax, accuracy, label, color, below=False):
+    """The evaluations as markers joined by a line, the first and last value written next to them (below: under
+    the points, so that a second series' labels do not cover the first's)."""
     if not accuracy:
-        ax.text(0.5, 0.5, "no evaluation yet", transform=ax.transAxes, ha="center", va="center", color="gray")
+        if not below:
+            ax.text(0.5, 0.5, "no evaluation yet", transform=ax.transAxes, ha="center", va="center", color="gray")
         return
     steps = sorted(accuracy)
     values = [accuracy[s] for s in steps]
-    ax.plot(steps, values, color=ACCURACY_COLOR, marker="o", markersize=5, linewidth=1.8, label="accuracy")
+    ax.plot(steps, values, color=color, marker="o", markersize=5, linewidth=1.8, label=label)
     ax.set_ylim(-0.02, 1.02)
-    ax.annotate(f"{values[0]:.2f}", (steps[0], values[0]), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    dy = -12 if below else 6
+    ax.annotate(f"{values[0]:.2f}", (steps[0], values[0]), textcoords="offset points", xytext=(4, dy), fontsize=8)
     if len(steps) > 1:
-        ax.annotate(
-            f"{values[-1]:.2f}",
-            (steps[-1], values[-1]),
-            textcoords="offset points",
-            xytext=(-10, 8),
-            fontsize=8,
-            ha="right",
-        )
+        end = (steps[-1], values[-1])
+        ax.annotate(f"{values[-1]:.2f}", end, textcoords="offset points", xytext=(-10, dy), fontsize=8, ha="right")

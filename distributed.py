@@ -334,14 +334,14 @@ class World:
             return dataset
         return torch.utils.data.Subset(dataset, range(self.rank, len(dataset), self.size))
 
-    def gather_eval(self, correct, total, examples, max_examples):
-        """Evaluation counts summed over ranks; the first examples, interleaved back into the problems' order."""
+    def gather_eval(self, records, examples, max_examples):
+        """Every rank's evaluation records, and the first max_examples examples, in the problems' order (share
+        gave rank r the problems r, r + N, ...): interleaved back."""
         if self.size == 1:
-            return correct, total, examples
-        rows = self.gather((correct, total, examples))
-        longest = max(len(e) for _, _, e in rows)
-        ordered = [e[i] for i in range(longest) for _, _, e in rows if i < len(e)]
-        return sum(c for c, _, _ in rows), sum(t for _, t, _ in rows), ordered[:max_examples]
+            return records, examples
+        rows = self.gather((records, examples))
+        interleave = lambda lists: [x[i] for i in range(max(map(len, lists))) for x in lists if i < len(x)]  # noqa
+        return interleave([r for r, _ in rows]), interleave([e for _, e in rows])[:max_examples]
 
     # ---- checkpoints ----
     def save_checkpoint(self, trainer, save):

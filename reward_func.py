@@ -34,6 +34,11 @@ NUMBER_REGEX = re.compile(
     r"|\d+\.\d+|\d+/\d+|\d+)"  # the seed's decimal | fraction | integer, in that priority
 )
 INTEGER_REGEX = re.compile(r"[-\u2212\uff0d]?(?:\d{1,3}(?:,\d{3})+|\d+)")  # what digit_reward accepts
+# Where a final answer is announced, for the lenient rule: Chinese (最终答案, 答案 with 是 / 为 / ：, 答： as a
+# written solution ends), English ("the final answer is", "Answer:"), GSM8K's "####" and LaTeX's \boxed{.
+ANSWER_PHRASE_REGEX = re.compile(
+    r"最终答案|答案|答\s*[:：]|(?:the\s+)?(?:final\s+)?(?<![</])answer\b|####|\\boxed\{", re.IGNORECASE
+)
 STRICT_FORMAT_REGEX = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>\n$", re.DOTALL)
 FORMAT_MARKS = ("<think>\n", "</think>\n", "<answer>\n", "</answer>\n")
 
@@ -85,15 +90,34 @@ def normalize_answer(answer):
     return str(answer)
 
 
-def is_correct(response, answer):
-    """Whether the response's extracted answer equals the reference answer, as numbers.
+def extract_answer_lenient(text):
+    """The final answer found anywhere in the response (the lenient rule of evaluation.py), as written; "" if
+    the response holds no number. In this order:
+
+    1. the strict rule: the last number inside the first <answer>...</answer> block (`extract_answer`);
+    2. after the last answer phrase that a number follows (ANSWER_PHRASE_REGEX: 最终答案, 答案是 / 答案为 /
+       答案：, 答：, "the answer is", "final answer:", "Answer:", GSM8K's "####", \\boxed{...}): the first
+       number after it, so that "the answer is 5. Check: 5 + 3 = 8" reads 5;
+    3. the last number of the response ("Tom has 12 + 5 = 17 apples" reads 17).
+    """
+    strict = extract_answer(text)
+    if strict:
+        return strict
+    for phrase in reversed(list(ANSWER_PHRASE_REGEX.finditer(text))):
+        number = NUMBER_REGEX.search(text, phrase.end())  # the lookbehinds still see the text before
+        if number:
+            return number.group().strip()
+    numbers = NUMBER_REGEX.findall(text)
+    return numbers[-1].strip() if numbers else ""
+
+
+def same_answer(extracted, answer):
+    """Whether an extracted answer equals the reference answer, as numbers.
 
     Both sides go through `parse_number`, so "5.0", "5" and 5 agree, "1,234" equals 1234, and
     "0.75" equals "3/4" (exact rationals, no float tolerance). When either side is not a number,
     the strings are compared, as the seed compared them. An empty extraction is never correct.
-    `correctness_reward` and the trainer's `evaluate` both use this.
     """
-    extracted = extract_answer(response)
     if not extracted:
         return False
     reference = normalize_answer(answer)
@@ -101,6 +125,17 @@ def is_correct(response, answer):
     if value is None or reference_value is None:
         return extracted == reference
     return value == reference_value
+
+
+def is_correct(response, answer):
+    """Whether the number in the response's answer tags equals the reference answer (`same_answer`): the seed's
+    rule, which `correctness_reward`, the trainer's evaluation and evaluation.py's strict accuracy use."""
+    return same_answer(extract_answer(response), answer)
+
+
+def is_correct_lenient(response, answer):
+    """Whether the final answer found anywhere in the response (`extract_answer_lenient`) is right."""
+    return same_answer(extract_answer_lenient(response), answer)
 
 
 def mark_num(text):

@@ -51,7 +51,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from checkpoints import LOG_FILES, find_checkpoints
-from curves import read_step_log
+from curves import read_accuracies
 
 VOCAB_SIZE = 300  # the BPE stops at ~280: a prompt is ~31 tokens, Chinese phrases are single tokens
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ChatML, as in Qwen2.5
@@ -395,18 +395,18 @@ DEMO_WARM_UP_STEPS = 450  # 300 clean, then 150 noisy (WARM_UP_NOISY_SHARE)
 
 
 def demo_summary(history, output_dir):
-    """The closing lines of a demo: held-out accuracy at step 0 and at the last evaluation (the
-    headline, with every evaluation), then the mean total and correctness reward over the first and
-    last 50 sampled steps (or fifth of them; with steps_per_generation 4 one step in 4 samples).
+    """The closing lines of a demo: held-out accuracy, strict and lenient (evaluation.py), at step 0 and at the
+    last evaluation (the headline, with every evaluation), then the mean total and correctness reward over the
+    first and last 50 sampled steps (or fifth of them; with steps_per_generation 4 one step in 4 samples).
     history is trainer.history: one metrics dict per optimizer step."""
-    accuracy = read_step_log(os.path.join(output_dir, "accuracy_losses.txt"))
     lines = [f"\ndemo summary after {history[-1]['step']} steps ({history[-1]['skipped_groups']} groups skipped):"]
-    if accuracy:
-        (first_step, first), (last_step, last) = min(accuracy.items()), max(accuracy.items())
-        lines.append(
-            f"  held-out accuracy  step {first_step} {first:.2f}  ->  step {last_step} {last:.2f}  ({last - first:+.2f})"
-            f"  [every evaluation: {' '.join(f'{accuracy[s]:.2f}' for s in sorted(accuracy))}]"
-        )
+    for label, accuracy in zip(("held-out accuracy", "lenient accuracy"), read_accuracies(output_dir)):
+        if accuracy:
+            (first_step, first), (last_step, last) = min(accuracy.items()), max(accuracy.items())
+            lines.append(
+                f"  {label:<17}  step {first_step} {first:.2f}  ->  step {last_step} {last:.2f}  ({last - first:+.2f})"
+                f"  [every evaluation: {' '.join(f'{accuracy[s]:.2f}' for s in sorted(accuracy))}]"
+            )
 
     def first_and_last(key):  # (window, mean over the first and the last `window` steps that have key)
         values = [record[key] for record in history if key in record]  # with 4 steps per rollout, 1 in 4
@@ -423,7 +423,7 @@ def demo_summary(history, output_dir):
         )
     ]
     lines += [
-        f"  logs: {output_dir}/accuracy_losses.txt, training_losses.txt, metrics.jsonl; curves.png",
+        f"  logs: {output_dir}/accuracy_losses.txt, evaluations.jsonl, training_losses.txt, metrics.jsonl; curves.png",
     ]
     return "\n".join(lines)
 

@@ -36,11 +36,12 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from kernels import sampling_processors, selective_log_softmax
-from cli import check_arguments, check_before_loading, load_split, parse_cli, run_settings
+from cli import check_arguments, check_before_loading, check_eval_only, load_split, parse_cli, run_settings
 from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume, save_checkpoint
-from reward_func import correctness_reward, digit_reward, hard_format_reward, is_correct, mark_reward
+from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
 from reward_func import example_records, load_reward_models, reward_column, reward_func_name
 from curves import plot_curves, redraw_curves
+from evaluation import accuracy_summary, evaluate_model, logged_metrics, run_eval
 from trackers import make_tracker, step_record
 import distributed
 
@@ -150,7 +151,8 @@ class DapoArguments:
     loss_agg_mode: LossAggMode = arg("seed", "'seed' per-group token mean, 'token-mean' Eq. 12, 'seq-mean-token-mean'")
     # --- evaluation, logging, checkpoints ---
     eval_steps: int = arg(10, "evaluate every this many optimizer steps (and before training)")
-    eval_samples: int = arg(100, "random test problems per evaluation")
+    eval_samples: int = arg(100, "random test problems per evaluation; 0 = the whole split")
+    eval_num_generations: int = arg(1, "k responses per test problem; k > 1 adds pass@k and maj@k (evaluation.py)")
     eval_batch_size: int = arg(20, "prompts per generate call during evaluation")
     save_steps: int = arg(100, "write output_dir/checkpoint_N every this many optimizer steps")
     save_total_limit: int = arg(0, "keep only the newest this many checkpoints; 0 = all (TRL's name)")
@@ -425,7 +427,7 @@ class DapoTrainer:
         self.state = LoopState(world_size=self.world.size)
         self.resumed, self.stop_requested = False, False  # stop_requested: set by Ctrl-C, acted on at a step end
         self.history = []  # one metrics dict per optimizer step (also written to metrics.jsonl)
-        self.last_accuracy = math.nan
+        self.last_accuracy, self.eval_record = math.nan, {}  # the last evaluation: strict accuracy, every metric
         self.tracker = make_tracker("none", args.output_dir, None)  # report_to's, from train() on
 
     update_steps = property(lambda self: self.state.update_steps)  # the seed's name for optimizer steps taken
@@ -772,6 +774,7 @@ class DapoTrainer:
     def log_step(self, metrics):
         """This optimizer step's record: to metrics.jsonl, the tracker and the progress bar."""
         record = step_record(self.state.update_steps, metrics) | {"skipped_groups": self.state.skipped_groups}
+        record |= self.eval_record if self.state.update_steps % self.args.eval_steps == 0 else {}  # evaluated now
         if self.args.device.startswith("cuda"):
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         self.history.append(record)
@@ -783,44 +786,40 @@ class DapoTrainer:
         self.progress.update(1)
 
     def evaluate_and_log(self):
-        """Evaluate; append to accuracy_losses.txt and samples.jsonl; redraw curves.png."""
+        """Evaluate; append to accuracy_losses.txt (the seed's: strict), evaluations.jsonl (every metric of
+        evaluation.py) and samples.jsonl; log to the tracker (after step 0: in the step's record); redraw curves.png."""
         args, step = self.args, self.state.update_steps
         self.last_accuracy, examples = self.evaluate(args.eval_samples, args.eval_batch_size, return_examples=True)
-        tqdm.write(f"step {step}: accuracy {self.last_accuracy:.2f}")
+        lenient = self.eval_record["eval/accuracy_lenient"]
+        tqdm.write(f"step {step}: accuracy {self.last_accuracy:.2f} (lenient {lenient:.2f})")
         self.append_line("accuracy_losses.txt", f"{step},{self.last_accuracy:.2f}")
+        self.append_line("evaluations.jsonl", json.dumps({"step": step, **self.eval_record}))
         for example in examples:
             self.append_line("samples.jsonl", json.dumps({"step": step, **example}, ensure_ascii=False))
-        self.tracker.log({"step": step, "eval/accuracy": self.last_accuracy})
+        if step == 0:  # later evaluations go into their step's record (log_step)
+            self.tracker.log({"step": step, **self.eval_record})
         if self.world.is_main:
             redraw_curves(args.output_dir)  # a failure is a warning: a picture must never end a run
         return self.last_accuracy
 
     # ---- 4.8 evaluation ----
-    @torch.no_grad()
+    def respond(self, prompts, k=1):
+        """k responses to each prompt, in one sample() call: their texts, token counts (EOS included) and whether
+        each hit max_generate_length without an EOS, k rows per prompt."""
+        input_ids, attention_mask = (x.repeat_interleave(k, dim=0) for x in self.encode_prompts(prompts))  # [B*k, P]
+        # Responses start right after the padded prompt, at the same column for every row.
+        response_ids = self.sample(input_ids, attention_mask)[:, input_ids.size(1) :]  # [B*k, T]
+        lengths = response_mask(response_ids, self.eos_token_ids, response_ids.size(1)).sum(dim=1)  # [B*k]
+        truncated = is_truncated(response_ids, lengths, self.eos_token_ids).tolist()
+        return self.tokenizer.batch_decode(response_ids, skip_special_tokens=True), lengths.tolist(), truncated
+
     def evaluate(self, num_samples=100, batch_size=20, return_examples=False):
-        """Accuracy of one sampled answer per problem on num_samples random test problems (a small eval set is
-        used whole). With return_examples, also the first few problems with their responses and rewards."""
-        eval_subset = self.eval_dataset
-        if len(self.eval_dataset) > num_samples:
-            indices = self.world.from_rank_0(torch.randperm(len(self.eval_dataset))[:num_samples].tolist())
-            eval_subset = torch.utils.data.Subset(self.eval_dataset, indices)
-        eval_subset = self.world.share(eval_subset)  # under torchrun, each rank evaluates every N-th problem
-        self.model.eval()
-        correct_count, total_count, examples = 0, 0, []
-        batches = DataLoader(eval_subset, batch_size=batch_size, shuffle=False)
-        for batch in self.world.while_unsharded(self.model, batches):  # --fsdp: gathered once for all batches
-            input_ids, attention_mask = self.encode_prompts(batch["prompt"])
-            # Responses start right after the padded prompt, at the same column for every row.
-            response_ids = self.sample(input_ids, attention_mask)[:, input_ids.size(1) :]
-            responses = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-            correct_count += sum(is_correct(r, a) for r, a in zip(responses, batch["answer"]))  # as correctness_reward
-            total_count += len(responses)
-            if return_examples and len(examples) < NUM_LOGGED_EXAMPLES:
-                examples += self.describe_examples(batch, responses)[: NUM_LOGGED_EXAMPLES - len(examples)]
-        self.model.train()
-        correct, total, examples = self.world.gather_eval(correct_count, total_count, examples, NUM_LOGGED_EXAMPLES)
-        accuracy = correct / total if total else 0.0
-        return (accuracy, examples) if return_examples else accuracy
+        """The seed's accuracy (strict) of sampled answers to num_samples random test problems (a small eval set: all);
+        self.eval_record: every metric (evaluate_model). With return_examples, also the first problems' records."""
+        num_examples = NUM_LOGGED_EXAMPLES if return_examples else 0
+        metrics, _, examples = evaluate_model(self, num_samples, batch_size, num_examples)
+        self.eval_record = logged_metrics(metrics)
+        return (metrics["accuracy_strict"], examples) if return_examples else metrics["accuracy_strict"]
 
     def describe_examples(self, batch, responses):
         """Evaluation examples as samples.jsonl records: prompt, response, answers and each reward."""
@@ -850,10 +849,10 @@ def build_args(preset, overrides):
     return DapoArguments(**overrides)
 
 
-def build_trainer(args):
+def build_trainer(args, train=True):
     """The seed's run: policy and tokenizer from model_path, GSM8K from data_path, the four rewards."""
     tokenizer = load_tokenizer(args.model_path)
-    train_dataset = GSM8KDataset(args.data_path, tokenizer, split="train")
+    train_dataset = GSM8KDataset(args.data_path, tokenizer, split="train") if train else None  # --eval_only: none
     eval_dataset = GSM8KDataset(args.data_path, tokenizer, split="test")
     model = load_causal_lm(args.model_path)
     return DapoTrainer(model, list(SEED_REWARD_FUNCS), args, train_dataset, eval_dataset, tokenizer)
@@ -868,6 +867,9 @@ def main(argv=None):
         args = build_args(cli.preset, overrides)
     except ValueError as error:
         sys.exit(f"error: {error}")
+    if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
+        models = check_eval_only(args, cli.compare, (QUESTION_COLUMN, ANSWER_COLUMN))
+        return run_eval(args, models, build_trainer, greedy="temperature" not in given)
     world = distributed.setup(args.device)  # under torchrun, rank 0 alone prepares the folders; the others wait
     if world.is_main:
         if cli.demo and checkpoint is None:  # a new world in a clean folder: the demo owns it
@@ -886,6 +888,8 @@ def main(argv=None):
     except KeyboardInterrupt:  # train() saved a checkpoint and said how to resume
         sys.exit(130)
     trainer.save_model()
+    if world.is_main and not cli.demo:  # the demo's summary has it too
+        print(accuracy_summary(args.output_dir))
     if cli.demo and world.is_main:
         from tiny_world import demo_summary
 

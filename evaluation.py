@@ -1,0 +1,192 @@
+"""Evaluation a user can trust: strict and lenient accuracy side by side, greedy or k samples per problem
+(pass@k, maj@k), and `python train.py --eval_only [--compare=PATH]` on the test split.
+
+The metrics (eval_results.json; during training evaluations.jsonl, metrics.jsonl and the trackers, as eval/NAME,
+with the seed's eval/accuracy for accuracy_strict):
+
+    num_problems           test problems evaluated (--eval_samples; 0 = the whole split)
+    accuracy_strict        share of responses whose number inside <answer>...</answer> equals the reference
+                           answer: the seed's rule (reward_func.is_correct, correctness_reward's), the number
+                           in accuracy_losses.txt. With k responses per problem: over all of them (= pass@1)
+    accuracy_lenient       the same for the final answer found anywhere (reward_func.extract_answer_lenient):
+                           the answer tags if they hold a number, else after an answer phrase (答案是, "the
+                           answer is", ...), else the last number of the response
+    format_rate            share of responses in the strict <think>/<answer> layout (hard_format_reward's pattern)
+    mean_response_length   response tokens, the EOS included, averaged over responses
+    truncated_rate         share of responses that hit max_generate_length without an EOS
+    pass@k_strict, pass@k_lenient   (k = eval_num_generations > 1) mean over problems of the unbiased estimator of
+                           Chen et al. 2021, 1 - C(n - c, k) / C(n, k), from n = k samples of which c are right
+    maj@k_strict, maj@k_lenient     share of problems whose most frequent extracted answer (compared as numbers;
+                           a tie goes to the answer written first) is right
+"""
+
+import dataclasses
+import json
+import math
+import os
+from collections import Counter
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import LogitsProcessorList
+
+from curves import read_accuracies
+from reward_func import STRICT_FORMAT_REGEX, extract_answer, extract_answer_lenient, normalize_answer, parse_number
+from reward_func import same_answer
+
+RULES = {"strict": extract_answer, "lenient": extract_answer_lenient}
+
+
+def pass_at_k(n, c, k):
+    """Chen et al. 2021 (Codex), Eq. 1 for one problem: the chance that k of n samples, c of them right, drawn
+    without replacement, hold a right one: 1 - C(n - c, k) / C(n, k) (1 when n - c < k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_answer(extracted):
+    """The most frequent of the extracted answers ("" skipped), numbers compared as numbers ("5.0" is "5");
+    a tie goes to the answer written first. "" when none was found."""
+    found = [answer for answer in extracted if answer]
+    if not found:
+        return ""
+    key = lambda answer: parse_number(answer) if parse_number(answer) is not None else answer  # noqa: E731
+    votes = Counter(key(answer) for answer in found)  # most_common keeps first-seen order among ties
+    winner = votes.most_common(1)[0][0]
+    return next(answer for answer in found if key(answer) == winner)
+
+
+def problem_record(question, answer, responses, lengths, truncated):
+    """One problem for eval_samples.jsonl: the question, the reference answer, and each response with what each
+    rule extracted and whether it is right, its layout, its length in tokens and whether it was cut off."""
+    answer = normalize_answer(answer)
+    judged = []
+    for response, length, cut in zip(responses, lengths, truncated):
+        row = {"response": response}
+        for rule, extract in RULES.items():
+            row[rule] = extract(response)
+            row[f"correct_{rule}"] = same_answer(row[rule], answer)
+        row |= {"format": bool(STRICT_FORMAT_REGEX.match(response)), "length": int(length), "truncated": bool(cut)}
+        judged.append(row)
+    record = {"question": question, "answer": answer, "responses": judged}
+    if len(judged) > 1:  # the majority vote of each rule
+        for rule in RULES:
+            vote = majority_answer([row[rule] for row in judged])
+            record |= {f"majority_{rule}": vote, f"majority_correct_{rule}": same_answer(vote, answer)}
+    return record
+
+
+def summarise(records, k):
+    """The metrics of the module docstring from problem records (problem_record) with k responses each."""
+    rows = [row for record in records for row in record["responses"]]
+    mean = lambda values: sum(values) / len(values) if values else 0.0  # noqa: E731
+    metrics = {"num_problems": len(records)}
+    for rule in RULES:
+        metrics[f"accuracy_{rule}"] = mean([row[f"correct_{rule}"] for row in rows])
+    metrics["format_rate"] = mean([row["format"] for row in rows])
+    metrics["mean_response_length"] = mean([row["length"] for row in rows])
+    metrics["truncated_rate"] = mean([row["truncated"] for row in rows])
+    if k > 1:
+        for rule in RULES:
+            right = [sum(row[f"correct_{rule}"] for row in record["responses"]) for record in records]
+            metrics[f"pass@{k}_{rule}"] = mean([pass_at_k(k, c, k) for c in right])
+            metrics[f"maj@{k}_{rule}"] = mean([record[f"majority_correct_{rule}"] for record in records])
+    return metrics
+
+
+@torch.no_grad()
+def evaluate_model(trainer, num_samples, batch_size, num_examples=0):
+    """k = eval_num_generations responses (trainer.respond: the trainer's sampling) to each of num_samples random
+    test problems (0, or at least the split's size: all of them, in order). Returns (metrics, problem records in
+    the problems' order, the first num_examples problems as samples.jsonl records of their first response). Under
+    torchrun each rank answers every N-th problem and all ranks get every record."""
+    world, dataset, k = trainer.world, trainer.eval_dataset, trainer.args.eval_num_generations
+    if 0 < num_samples < len(dataset):  # the seed's random subset, the same on every rank
+        indices = world.from_rank_0(torch.randperm(len(dataset))[:num_samples].tolist())
+        dataset = torch.utils.data.Subset(dataset, indices)
+    trainer.model.eval()
+    records, examples = [], []
+    batches = DataLoader(world.share(dataset), batch_size=batch_size, shuffle=False)
+    for batch in world.while_unsharded(trainer.model, batches):  # --fsdp: gathered once for all batches
+        responses, lengths, truncated = trainer.respond(batch["prompt"], k)  # k rows per problem
+        for i, (question, answer) in enumerate(zip(batch["prompt"], batch["answer"])):
+            rows = slice(i * k, (i + 1) * k)
+            records.append(problem_record(question, answer, responses[rows], lengths[rows], truncated[rows]))
+        if len(examples) < num_examples:
+            examples += trainer.describe_examples(batch, responses[::k])[: num_examples - len(examples)]
+    trainer.model.train()
+    records, examples = world.gather_eval(records, examples, num_examples)
+    return summarise(records, k), records, examples
+
+
+def logged_metrics(metrics):
+    """An evaluation's metrics under the names of metrics.jsonl and the trackers: eval/NAME, accuracy_strict as
+    the seed's eval/accuracy."""
+    names = {"accuracy_strict": "accuracy"}
+    return {f"eval/{names.get(key, key)}": value for key, value in metrics.items() if key != "num_problems"}
+
+
+def accuracy_summary(output_dir):
+    """One line: strict and lenient accuracy at the first and the last evaluation of the run in output_dir."""
+    strict, lenient = read_accuracies(output_dir)
+    if not strict:
+        return "no evaluation yet"
+    first, last = min(strict), max(strict)
+    both = lambda step: f"{strict[step]:.2f} / {lenient.get(step, math.nan):.2f}"  # noqa: E731
+    return f"held-out accuracy (strict / lenient)  step {first} {both(first)}  ->  step {last} {both(last)}"
+
+
+# ============================================================
+# python train.py --eval_only [--compare=PATH]
+# ============================================================
+def use_greedy(trainer):
+    """Greedy decoding from now on: generate without the sampling processors (argmax), vLLM at temperature 0."""
+    trainer.logits_processor = LogitsProcessorList()
+    trainer.args.temperature = 0.0  # what sample_with_vllm passes on; vLLM reads 0 as greedy
+
+
+def comparison_table(results):
+    """A row per metric, a column per model ({label: metrics}), and with two models the second minus the first."""
+    labels = list(results)
+    cell = lambda name, value, sign="": f"{value:{sign}{'d' if name == 'num_problems' else '.4f'}}"  # noqa: E731
+    rows = [["metric", *labels] + (["difference"] if len(labels) == 2 else [])]
+    for name in results[labels[0]]:
+        values = [results[label][name] for label in labels]
+        difference = [cell(name, values[1] - values[0], "+")] if len(values) == 2 else []
+        rows.append([name, *(cell(name, value) for value in values), *difference])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [[row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])] for row in rows]
+    return "\n".join("  ".join(line) for line in lines)
+
+
+def run_eval(args, model_paths, build_trainer, greedy):
+    """Evaluate each model (the first is model_path, a second --compare) on the same test problems; write
+    output_dir/eval_results.json (the settings, each model's metrics, their difference) and eval_samples.jsonl
+    (a record per model and problem); print the table. Returns {model path: metrics}."""
+    results, records, trainer = {}, [], None
+    for path in model_paths:
+        trainer = None  # one model in memory at a time
+        trainer = build_trainer(dataclasses.replace(args, model_path=path), train=False)
+        if greedy:
+            use_greedy(trainer)
+        metrics, problems, _ = evaluate_model(trainer, args.eval_samples, args.eval_batch_size)
+        results[path] = metrics
+        records += [{"model": path, **problem} for problem in problems]
+    if not trainer.world.is_main:
+        return results
+    decoding = "greedy" if greedy else f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"
+    settings = dict(
+        data_path=args.data_path, split="test", decoding=decoding, max_generate_length=args.max_generate_length
+    )
+    settings |= dict(eval_samples=args.eval_samples, eval_num_generations=args.eval_num_generations, seed=args.seed)
+    output = {"settings": settings, "models": results}
+    if len(results) == 2:
+        before, after = results.values()
+        output["difference"] = {name: after[name] - before[name] for name in before}
+    with open(os.path.join(args.output_dir, "eval_results.json"), "w", encoding="utf-8") as f:
+        json.dump(output, f, indent=2, ensure_ascii=False)
+    with open(os.path.join(args.output_dir, "eval_samples.jsonl"), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    print(f"{decoding} decoding, {args.eval_num_generations} response(s) per problem, test split of {args.data_path}:")
+    print(comparison_table(results))
+    print(f"wrote {args.output_dir}/eval_results.json and eval_samples.jsonl")
+    return results
