@@ -158,10 +158,12 @@ def comparison_table(results):
     return "\n".join("  ".join(line) for line in lines)
 
 
-def run_eval(args, model_paths, build_trainer, greedy):
-    """Evaluate each model (the first is model_path, a second --compare) on the same test problems; write
+def run_eval(args, model_paths, build_trainer, temperature_given):
+    """Evaluate each model (the first is model_path, a second --compare) on the same test problems, greedy unless
+    a temperature was given or eval_num_generations > 1 (k greedy answers would be one); write
     output_dir/eval_results.json (the settings, each model's metrics, their difference) and eval_samples.jsonl
     (a record per model and problem); print the table. Returns {model path: metrics}."""
+    greedy = not temperature_given and args.eval_num_generations == 1
     results, records, trainer = {}, [], None
     for path in model_paths:
         trainer = None  # one model in memory at a time

@@ -869,7 +869,7 @@ def main(argv=None):
         sys.exit(f"error: {error}")
     if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
         models = check_eval_only(args, cli.compare, (QUESTION_COLUMN, ANSWER_COLUMN))
-        return run_eval(args, models, build_trainer, greedy="temperature" not in given)
+        return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
     world = distributed.setup(args.device)  # under torchrun, rank 0 alone prepares the folders; the others wait
     if world.is_main:
         if cli.demo and checkpoint is None:  # a new world in a clean folder: the demo owns it

@@ -218,7 +218,7 @@ def test_eval_only_bad_input_gets_one_line_before_loading(world, tmp_path, monke
     rows["test"].select([]).to_parquet(str(empty / "data" / "test-00000-of-00001.parquet"))
     cases = [
         ([f"--model_path={model_dir}", f"--data_path={no_test}"], "has no split 'test'; it has ['train']"),
-        ([f"--model_path={model_dir}", f"--data_path={empty}"], "empty"),
+        ([f"--model_path={model_dir}", f"--data_path={empty}"], "an empty or damaged file"),
         ([f"--model_path={tmp_path}/missing", f"--data_path={data_dir}"], "is not a model"),
         ([f"--model_path={model_dir}", f"--compare={tmp_path}/missing", f"--data_path={data_dir}"], "--compare"),
     ]
@@ -228,3 +228,19 @@ def test_eval_only_bad_input_gets_one_line_before_loading(world, tmp_path, monke
         assert str(exit_.value).startswith("error: ") and "\n" not in str(exit_.value) and message in str(exit_.value)
     with pytest.raises(SystemExit):
         main([f"--compare={model_dir}"])  # --compare without --eval_only
+
+
+def test_eval_only_under_torchrun_gives_the_one_process_result(world, tmp_path):
+    """Greedy --eval_only in 2 gloo processes (each answers every other problem, in other batches) writes what one
+    process writes: 7 random problems of 8 (rank 0 draws them), batches of 3."""
+    from test_distributed import run
+
+    model_dir, data_dir = world
+    argv = ["train.py", "--eval_only", f"--model_path={model_dir}", f"--data_path={data_dir}", "--device=cpu"]
+    argv += ["--max_generate_length=12", "--eval_samples=7", "--eval_batch_size=3"]
+    run([*argv, f"--output_dir={tmp_path}/one"])
+    run([*argv, f"--output_dir={tmp_path}/two"], nproc=2)
+    one, two = (read_jsonl(os.path.join(tmp_path, name, "eval_samples.jsonl")) for name in ("one", "two"))
+    assert len(one) == 7 and one == two
+    results = [json.load(open(os.path.join(tmp_path, name, "eval_results.json"))) for name in ("one", "two")]
+    assert results[0] == results[1] and results[0]["models"][model_dir]["num_problems"] == 7
