@@ -1,0 +1,172 @@
+"""README.md and docs/: links that resolve, and README commands that something runs (or that say what they need).
+
+The convention for README commands: the line right before every ```bash block says who runs it or what it needs:
+    <!-- run by: .ci/run -->                   each command is a line of .ci/run
+    <!-- run by: tests/test_x.py[::name] -->   the test (file or function) calls train.py's main with each --flag
+    <!-- needs: GPU | weights | internet ... -->   not run here: a GPU, the downloaded weights, or the internet
+"""
+
+import ast
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NEEDS = ("GPU", "weights", "internet")
+FENCE = re.compile(r"^```(\w*)\s*$")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+MARKER = re.compile(r"^<!--\s*(run by|needs):\s*(.+?)\s*-->$")
+
+
+def markdown_files():
+    docs = os.path.join(ROOT, "docs")
+    return ["README.md"] + sorted(f"docs/{name}" for name in os.listdir(docs) if name.endswith(".md"))
+
+
+def read(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return f.read()
+
+
+def prose(text):
+    """The text outside fenced code blocks and inline code spans, where links live."""
+    text = re.sub(r"(?ms)^```.*?^```", "", text)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", "")).replace(" ", "-")
+
+
+def anchors(text):
+    return {slug(line.lstrip("#")) for line in prose(text).splitlines() if line.startswith("#")}
+
+
+def broken_links(path, text):
+    """Relative links and images in text (the file at path) whose file, or heading for #anchor, does not exist."""
+    broken = []
+    for target in LINK.findall(prose(text)):
+        if re.match(r"^[a-z]+:", target):  # https:, mailto:: not ours to check
+            continue
+        file, _, anchor = target.partition("#")
+        resolved = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+        if not os.path.isfile(os.path.join(ROOT, resolved)):
+            broken.append(f"{path}: {target} (no file {resolved})")
+        elif anchor and resolved.endswith(".md") and anchor not in anchors(read(resolved)):
+            broken.append(f"{path}: {target} (no heading #{anchor} in {resolved})")
+    return broken
+
+
+def shell_blocks(text):
+    """(marker line before the block, [commands]) for each ```bash block; commands split at && without comments."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        match = FENCE.match(lines[i])
+        if not match:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        if match.group(1) in ("bash", "sh", "shell", "console"):
+            before = next((line.strip() for line in reversed(lines[:i]) if line.strip()), "")
+            commands = [re.sub(r"\s+#.*$", "", line) for line in lines[i + 1 : end]]
+            commands = [part.strip() for line in commands for part in line.split("&&") if part.strip()]
+            blocks.append((before, commands))
+        i = end + 1
+    return blocks
+
+
+def source_of(reference):
+    """The source of tests/test_x.py, or of one test function in it (tests/test_x.py::name)."""
+    file, _, name = reference.partition("::")
+    source = read(file)
+    if not name:
+        return source
+    function = next(node for node in ast.walk(ast.parse(source)) if getattr(node, "name", None) == name)
+    return ast.get_source_segment(source, function)
+
+
+def runs(source, command):
+    """Whether a test's source runs `python train.py ...` with each of the command's --flags (main([...]) or a
+    subprocess of train.py)."""
+    words = command.split()
+    if words[:2] != ["python", "train.py"] or ("main(" not in source and '"train.py"' not in source):
+        return False
+    flags = [word.split("=")[0] for word in words[2:] if word.startswith("--")]
+    return all(f'"{flag}' in source for flag in flags)
+
+
+def unaccounted_commands(text, ci_lines):
+    """README commands that neither .ci/run nor the named test runs, and blocks without a valid marker."""
+    problems = []
+    for before, commands in shell_blocks(text):
+        marker = MARKER.match(before)
+        if not marker:
+            problems.append(f"block {commands[:1]} has no <!-- run by: ... --> or <!-- needs: ... --> line before it")
+        elif marker.group(1) == "needs":
+            if marker.group(2).split()[0] not in NEEDS:
+                problems.append(f"block {commands[:1]}: needs {marker.group(2)!r}, not one of {NEEDS}")
+        else:
+            sources = marker.group(2).replace(",", " ").split()
+            for command in commands:
+                by_ci = ".ci/run" in sources and command in ci_lines
+                if not by_ci and not any(runs(source_of(s), command) for s in sources if s.startswith("tests/")):
+                    problems.append(f"{command!r} is not run by {', '.join(sources)}")
+    return problems
+
+
+def test_the_readme_is_at_most_200_lines():
+    assert len(read("README.md").splitlines()) <= 200
+
+
+def test_every_relative_link_and_image_resolves():
+    broken = [problem for path in markdown_files() for problem in broken_links(path, read(path))]
+    assert broken == []
+    assert "docs/curves.png" in read("README.md")  # the results block's picture is committed, not a run's output
+
+
+def test_every_docs_page_says_what_it_answers_and_the_readme_links_it():
+    readme = read("README.md")
+    for path in markdown_files()[1:]:
+        lines = [line for line in read(path).splitlines() if line.strip()]
+        assert lines[0].startswith("# ") and lines[1].startswith("This page answers"), path
+        assert f"]({path})" in readme, f"README.md does not link {path}"
+
+
+def test_every_readme_command_is_run_by_ci_or_a_test_or_says_what_it_needs():
+    ci_lines = {line.strip() for line in read(".ci/run").splitlines()}
+    blocks = shell_blocks(read("README.md"))
+    assert any(MARKER.match(before).group(1) == "run by" for before, _ in blocks)  # the two quick-start blocks
+    assert unaccounted_commands(read("README.md"), ci_lines) == []
+
+
+def test_the_checks_catch_a_broken_link_and_an_unaccounted_command():
+    assert broken_links("README.md", "[a](docs/nope.md) [b](docs/demo.md#no-such-heading) [c](https://x.y)") == [
+        "README.md: docs/nope.md (no file docs/nope.md)",
+        "README.md: docs/demo.md#no-such-heading (no heading #no-such-heading in docs/demo.md)",
+    ]
+    assert broken_links("docs/demo.md", "![c](curves.png) [d](../README.md#quick-start) [e](#the-demo)") == []
+    text = "\n".join(
+        [
+            "<!-- run by: .ci/run -->",
+            "```bash",
+            "python -m pytest  # the suite",
+            "```",
+            "<!-- run by: tests/test_learning.py -->",
+            "```bash",
+            "python train.py --demo && python train.py --demo --no_such_flag=1",
+            "```",
+            "```bash",
+            "python train.py",
+            "```",
+            "<!-- needs: a TPU -->",
+            "```bash",
+            "python train.py",
+            "```",
+        ]
+    )
+    assert unaccounted_commands(text, {"python -m pytest"}) == [
+        "'python train.py --demo --no_such_flag=1' is not run by tests/test_learning.py",
+        "block ['python train.py'] has no <!-- run by: ... --> or <!-- needs: ... --> line before it",
+        "block ['python train.py']: needs 'a TPU', not one of ('GPU', 'weights', 'internet')",
+    ]
+    assert slug("`DapoArguments`: every field") == "dapoarguments-every-field"
