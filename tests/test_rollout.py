@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from distributed import World
 from conftest import as_micro_batch, make_batch, scripted_sampler, token_ids
 from kernels import generate_sharing_prompts
 from packing import balanced_micro_batches, pack_sequences
@@ -208,3 +209,27 @@ def test_make_micro_batches_balances_real_tokens_with_the_same_normaliser(make_t
     assert response_tokens == [4 * (90 + 1), 4 * (60 + 30)]  # groups [0, 2] and [1, 3]; in order: 600 and 124
     assert [int(m["attention_mask"].sum()) for m in micro_batches] == [real[0] + real[2], real[1] + real[3]]
     assert sum(loss_normaliser(m["action_mask"], "token-mean", 4) for m in micro_batches) == 4 * 181  # the step's
+
+
+def test_rounds_to_sample_and_generation_batch_size():
+    world = World()  # one process
+    assert [world.rounds_to_sample(held, 4, 2) for held in (0, 1, 2, 3, 4, 9)] == [2, 2, 1, 1, 1, 1]
+    assert world.rounds_to_sample(0, 4, 2, generation_batch_size=12) == 6  # verl's 3x over-sampling
+    assert world.rounds_to_sample(0, 4, 2, generation_batch_size=3) == 2  # never fewer than needed
+
+
+def test_max_generation_rows_splits_a_call_into_whole_groups(make_trainer):
+    trainer = make_trainer(max_generation_rows=5, reward_funcs=[varied])  # G = 4: one group per generate call
+    eos, pad = trainer.tokenizer.convert_tokens_to_ids("<|im_end|>"), trainer.tokenizer.pad_token_id
+    calls = []
+
+    def sample(input_ids, attention_mask):  # call 1 ends every row by EOS within 3 tokens; call 2 runs 6, no EOS
+        calls.append(len(input_ids))
+        rows = [[eos, pad, pad], [30, eos, pad], [30, 30, eos], [30, 30, eos]] if len(calls) == 1 else [[30] * 6] * 4
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+
+    trainer.sample = sample
+    samples = trainer.generate_samples(make_batch(trainer, 2))
+    assert calls == [4, 4]
+    assert [s.response_length.tolist() for s in samples] == [[1, 2, 3, 3], [6, 6, 6, 6]]  # each call's own budget
+    assert samples[0].response_ids.shape == (4, 6) and (samples[0].response_ids[:, 3:] == pad).all()
