@@ -735,6 +735,8 @@ class DapoTrainer:
             while batches:
                 held, sizes = len(state.buffer["advantages"]), (args.batch_size, args.generation_batch_size)
                 count = self.world.rounds_to_sample(held, per_rank, *sizes)  # collective under torchrun
+                if args.max_num_gen_batches:  # the rounds check_rounds allows, no more
+                    count = min(count, args.max_num_gen_batches - state.rounds)
                 call, batches = batches[:count], batches[count:]
                 state.batches_done += len(call)
                 yield call
