@@ -22,8 +22,9 @@ def check_arguments(args):
     """Reject bad DapoArguments up front, before anything loads, naming each field and the fix."""
     at_least_1 = "gradient_accumulation_steps steps_per_generation num_iterations batch_size epoch save_steps".split()
     at_least_1 += "max_prompt_length max_generate_length eval_steps eval_batch_size eval_num_generations".split()
+    at_least_1 += ["max_generation_rows"]
     at_least_0 = "max_steps beta weight_decay warmup_steps max_grad_norm top_k lr max_num_gen_batches".split()
-    at_least_0 += ["eval_samples"]
+    at_least_0 += ["eval_samples", "generation_batch_size"]
     at_least_0 += "save_total_limit overlong_penalty_factor vllm_importance_sampling_cap".split()
     errors = [f"{name} must be >= 1" for name in at_least_1 if getattr(args, name) < 1]
     errors += [f"{name} must be >= 0 (0 = off)" for name in at_least_0 if getattr(args, name) < 0]

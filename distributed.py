@@ -298,6 +298,15 @@ class World:
             if index % self.size == self.rank:
                 yield batch
 
+    def rounds_to_sample(self, held, per_rank, batch_size, generation_batch_size=0):
+        """How many prompt batches this rank samples in its next call, given `held` buffered groups: the least
+        the rollout still needs (each batch adds at most batch_size groups per rank, so the rollout cannot fill
+        before the last of them: the seed's rounds, in the seed's order, sampled at once), or more when
+        generation_batch_size (prompts over all ranks) asks for more. Collective under torchrun."""
+        missing = per_rank * self.size - self.sum(held)
+        needed = max(1, -(-missing // (batch_size * self.size)))
+        return max(needed, -(-generation_batch_size // (batch_size * self.size)))
+
     def rollout_size(self, state, per_rank):
         """After a sampling round: None while the ranks together hold fewer than per_rank * N valid groups,
         else how many of its buffered groups this rank trains on. Collective: every rank decides the same.

@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any, List, Literal, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from kernels import sampling_processors, selective_log_softmax
+from kernels import generate_sharing_prompts, sampling_processors, selective_log_softmax
+from packing import balanced_micro_batches, join_batches, pack_sequences, pad_and_cat, pad_and_cat_groups
+from packing import padded_sequences, unpack
 from cli import check_arguments, check_before_loading, check_eval_only, load_split, parse_cli, run_settings
 from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume, save_checkpoint
 from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
@@ -137,6 +138,8 @@ class DapoArguments:
     top_p: float = arg(1.0, "nucleus sampling; 1.0 = off")
     top_k: int = arg(50, "top-k sampling; 0 = off (seed 50; verl's DAPO recipe off)")
     score_with_temperature: bool = arg(False, "log-probs under logits / temperature, the sampling policy (TRL, verl)")
+    generation_batch_size: int = arg(0, "prompts per sampling call, all ranks; 0 = what the rollout still needs")
+    max_generation_rows: int = arg(256, "at most this many responses per generate call (whole groups): memory")
     # --- rewards and dynamic sampling ---
     reward_weights: Optional[List[float]] = arg(None, "one weight per reward function; None = all 1.0")
     filter_metric: FilterMetric = arg("reward", "skip a group: 'reward' all totals equal (seed), 'correctness' Eq. 11")
@@ -160,6 +163,7 @@ class DapoArguments:
     # --- speed and memory ---
     bf16: bool = arg(True, "on CUDA, autocast forward passes to bf16 (weights stay float32)")
     tf32: bool = arg(True, "on CUDA, TF32 matmuls for what stays float32")
+    padding_free: bool = arg(False, "log-prob and loss passes on real tokens only, packed in one row (verl)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30%% slower")
     fsdp: bool = arg(False, "under torchrun, shard parameters, gradients and Adam states over the ranks (FSDP2)")
     use_vllm: bool = arg(False, "sample with vLLM in this process (pip install -r requirements-vllm.txt; TRL's name)")
@@ -301,28 +305,6 @@ def aggregate_loss(per_token_loss, mask, mode, num_generations, normaliser=None)
         total = (per_token_loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum()
     normaliser = loss_normaliser(mask, mode, num_generations) if normaliser is None else normaliser
     return total / max(normaliser, 1)
-
-
-def pad_and_cat_groups(groups, pad_token_id):
-    """Join groups whose prompts (left-padded) or responses (right-padded) differ in length.
-
-    groups: dict of lists, one tensor per group: prompt_response_ids / attention_mask [G, P_i+T_i],
-    action_mask [G, T_i], advantages [G]. Returns dict of [sum G, ...] tensors, padded to max P_i and T_i.
-    """
-    num_actions = [mask.size(1) for mask in groups["action_mask"]]
-    prompt_lengths = [ids.size(1) - t for ids, t in zip(groups["prompt_response_ids"], num_actions)]
-    max_p, max_t = max(prompt_lengths), max(num_actions)
-    pads = {"prompt_response_ids": pad_token_id, "attention_mask": 0}
-    batch = {}
-    for key, tensors in groups.items():
-        if key in pads:  # (left, right) padding of the last dimension
-            sizes = zip(tensors, prompt_lengths, num_actions)
-            batch[key] = torch.cat([F.pad(x, (max_p - p, max_t - t), value=pads[key]) for x, p, t in sizes])
-        elif key == "advantages":
-            batch[key] = torch.cat(tensors)
-        else:
-            batch[key] = torch.cat([F.pad(x, (0, max_t - t)) for x, t in zip(tensors, num_actions)])
-    return batch
 
 
 # ============================================================
@@ -469,8 +451,8 @@ class DapoTrainer:
         saved_config, self.model.generation_config = self.model.generation_config, self.generation_config
         try:
             with self.autocast(), self.world.unsharded(self.model):  # --fsdp: gathered for the whole call
-                return self.model.generate(
-                    input_ids=input_ids, attention_mask=attention_mask, generation_config=self.generation_config,
+                return generate_sharing_prompts(  # the G copies of a prompt share its prompt pass
+                    self.model, input_ids, attention_mask, generation_config=self.generation_config,
                     logits_processor=self.logits_processor, synced_gpus=False,  # unsharded: no per-token sync
                 )  # fmt: skip
         finally:
@@ -488,16 +470,19 @@ class DapoTrainer:
         return torch.cat([input_ids, response_ids], dim=1)
 
     def generate_samples(self, inputs):
-        """num_generations responses to each prompt of the batch, in one generate call: a list of Samples."""
+        """num_generations responses to each prompt of the batch, in one generate call (or one per
+        max_generation_rows responses; vLLM schedules its own memory): a list of Samples."""
         self.model.eval()
-        G = self.args.num_generations
+        G, pad = self.args.num_generations, self.tokenizer.pad_token_id
         prompts = list(inputs["prompt"])
         answers = list(inputs["answer"]) if "answer" in inputs else [None] * len(prompts)
         prompt_ids, prompt_mask = self.encode_prompts(prompts)  # [B, P]
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
-        response_ids = self.sample(prompt_ids, prompt_mask)[:, prompt_ids.size(1) :]  # [B*G, T]
-        action_mask = response_mask(response_ids, self.eos_token_ids, response_ids.size(1))  # [B*G, T]
-        response_ids = response_ids.masked_fill(action_mask == 0, self.tokenizer.pad_token_id)
+        rows = len(prompt_ids) if self.vllm else max(1, self.args.max_generation_rows // G) * G
+        calls = [self.sample(*x)[:, prompt_ids.size(1) :] for x in zip(prompt_ids.split(rows), prompt_mask.split(rows))]
+        masks = [response_mask(ids, self.eos_token_ids, ids.size(1)) for ids in calls]  # each call's own budget
+        action_mask = pad_and_cat(masks, 0)  # [B*G, T]
+        response_ids = pad_and_cat(calls, pad).masked_fill(action_mask == 0, pad)  # [B*G, T]
         prompt_response_ids = torch.cat([prompt_ids, response_ids], dim=1)  # [B*G, P+T]
         # From the masks, not from `!= pad_token_id`: a pad token that is also the EOS (SmolLM, Llama) would
         # otherwise hide the chat template's own end-of-turn tokens.
@@ -568,13 +553,15 @@ class DapoTrainer:
 
     @torch.no_grad()
     def make_micro_batches(self, groups):
-        """The rollout: groups (dict of lists) as micro-batches of batch_size groups, each padded to its own longest
-        prompt and response, with pi_old's and pi_ref's log-probs taken once, on the tensors training will see."""
-        args, B, pad = self.args, self.args.batch_size, self.tokenizer.pad_token_id
+        """The rollout: groups (dict of lists) as micro-batches of batch_size groups, balanced by tokens within each
+        optimizer step, each padded to its own longest prompt and response, with pi_old's and pi_ref's log-probs
+        taken once, on the tensors training will see."""
+        args, pad = self.args, self.tokenizer.pad_token_id
         reused = args.num_iterations > 1 or args.steps_per_generation > 1  # else pi_old = pi_theta: ratio 1
+        tokens = [int(mask.sum()) for mask in groups["attention_mask"]]  # each group's real tokens
         micro_batches = []
-        for first in range(0, len(groups["advantages"]), B):
-            inputs = pad_and_cat_groups({key: values[first : first + B] for key, values in groups.items()}, pad)
+        for members in balanced_micro_batches(tokens, args.batch_size, args.steps_per_generation):
+            inputs = pad_and_cat_groups({key: [values[g] for g in members] for key, values in groups.items()}, pad)
             model_inputs, ref = self.model_inputs(inputs), self.ref_model
             inputs["old_action_log_probs"] = self.get_action_log_probs(self.model, *model_inputs) if reused else None
             inputs["ref_action_log_probs"] = None if ref is None else self.get_action_log_probs(ref, *model_inputs)
@@ -625,16 +612,17 @@ class DapoTrainer:
     # ---- 4.4 log-probabilities ----
     def get_action_log_probs(self, model, input_ids, attention_mask, num_actions, with_entropy=False):
         """log pi(o_t | q, o_<t) of the last num_actions tokens: [N, T] (and the entropy [N, T]). Logits at t predict
-        token t+1: only the T positions before the last are computed. Position ids follow the mask, as in generate."""
-        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-        width = input_ids.size(1)
-        keep = torch.arange(width - num_actions - 1, width - 1, device=input_ids.device)
-        inputs = dict(attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+        token t+1: only the T positions before the last are computed. Position ids follow the mask, as in generate.
+        padding_free: the real tokens alone, in one row (packing.pack_sequences); 0 where there is no token."""
+        layout = pack_sequences if self.args.padding_free else padded_sequences  # where: None when padded
+        input_ids, inputs, labels, where = layout(input_ids, attention_mask, num_actions)
         with self.autocast():
-            logits = model(input_ids, **inputs).logits  # [N, T, V]
+            logits = model(input_ids, **inputs).logits  # [N, T, V] ([1, K, V] packed)
         if self.args.score_with_temperature:  # the distribution that sampled (TRL, verl)
             logits = logits / self.args.temperature
-        log_probs, entropy = selective_log_softmax(logits, input_ids[:, -num_actions:])  # [N, T] each
+        log_probs, entropy = selective_log_softmax(logits, labels)  # [N, T] each ([1, K] packed)
+        if where is not None:
+            log_probs, entropy = unpack(log_probs, where), unpack(entropy, where)
         return (log_probs, entropy) if with_entropy else log_probs
 
     # ---- 4.5 one micro-step ----
@@ -670,16 +658,16 @@ class DapoTrainer:
                 if state.rollout is None:
                     # 1. Sample G responses per prompt, score them, drop the groups without signal (dynamic
                     #    sampling), and buffer the rest until the rollout's groups are there.
-                    batch = next(batches, None)
-                    if batch is None:
+                    call = next(batches, None)  # the prompt batches the rollout still needs, sampled at once
+                    if call is None:
                         break
-                    experiences = self.generate_experiences(batch)
+                    experiences = self.generate_experiences(join_batches(call))
                     for key, values in experiences.pop("metrics").items():
                         metrics[key] += values
                     for key, values in experiences.items():
                         state.buffer.setdefault(key, []).extend(values)
-                    state.rounds += 1
-                    self.empty_rounds = 0 if experiences["advantages"] else self.empty_rounds + 1
+                    state.rounds += len(call)
+                    self.empty_rounds = 0 if experiences["advantages"] else self.empty_rounds + len(call)
                     take = self.world.rollout_size(state, groups_per_rollout)  # a collective decision across ranks
                     if take is None:
                         self.check_rounds()
@@ -737,16 +725,23 @@ class DapoTrainer:
             tqdm.write(f"the data ran out after {state.update_steps} steps: {bound}")
 
     def prompt_batches(self):
-        """Epochs of prompt batches, in a seeded order per epoch, so that a resumed run skips exactly the
-        batches it had consumed. The seed's buffer lives for one epoch: a partial step is dropped."""
-        state = self.state
-        while state.epoch < self.args.epoch:
-            order = torch.Generator().manual_seed(self.args.seed + state.epoch)
-            loader = DataLoader(self.train_dataset, batch_size=self.args.batch_size, shuffle=True, generator=order)
-            for index, batch in enumerate(self.world.shard(loader)):  # batches rank, rank + N, ...
-                if index >= state.batches_done:
-                    state.batches_done += 1
-                    yield batch
+        """Sampling calls, each the prompt batches the rollout still needs (World.rounds_to_sample), in a seeded
+        order per epoch (a resumed run skips the batches it had consumed) and never past an epoch's end: the
+        seed's buffer lives for one epoch, a partial step is dropped."""
+        args, state = self.args, self.state
+        per_rank = args.batch_size * args.gradient_accumulation_steps * args.steps_per_generation
+        while state.epoch < args.epoch:
+            order = torch.Generator().manual_seed(args.seed + state.epoch)
+            loader = DataLoader(self.train_dataset, batch_size=args.batch_size, shuffle=True, generator=order)
+            batches = list(self.world.shard(loader))[state.batches_done :]  # batches rank, rank + N, ...
+            while batches:
+                held, sizes = len(state.buffer["advantages"]), (args.batch_size, args.generation_batch_size)
+                count = self.world.rounds_to_sample(held, per_rank, *sizes)  # collective under torchrun
+                if args.max_num_gen_batches:  # the rounds check_rounds allows, no more
+                    count = min(count, args.max_num_gen_batches - state.rounds)
+                call, batches = batches[:count], batches[count:]
+                state.batches_done += len(call)
+                yield call
             state.epoch, state.batches_done, state.rounds = state.epoch + 1, 0, 0
             state.buffer = {key: [] for key in GROUP_KEYS}
 

@@ -51,6 +51,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
+from seed_paths import SEED_PATHS  # noqa: E402
 
 SHAPES = {
     "small": dict(
@@ -68,10 +69,12 @@ COMMON_SHAPE = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
 DEFAULT, SEED = "default (train.py)", "seed (all seed paths)"
-SEED_PATHS = ("pad_to_max", "per_prompt_generate", "full_log_softmax", "multinomial_sampling", "old_log_prob_pass")
+BEFORE = "before issue 22"  # a sampling call per micro-batch, G prompt passes per group
 # name -> (seed paths, DapoArguments overrides)
 CONFIGS = {
     DEFAULT: ((), {}),
+    "+padding_free": ((), dict(padding_free=True)),
+    BEFORE: (("one_call_per_batch", "repeated_prefill"), {}),
     **{f"+{path}": ((path,), {}) for path in SEED_PATHS},
     "+gradient_checkpointing": ((), dict(gradient_checkpointing=True)),
     "-bf16": ((), dict(bf16=False)),
@@ -83,7 +86,7 @@ VLLM = "+use_vllm"
 # DapoArguments fields the benchmark sets from its own options, and every option a worker receives.
 TRAINER_OPTIONS = ("device", "seed", "num_generations", "batch_size", "gradient_accumulation_steps")
 TRAINER_OPTIONS += ("num_iterations", "max_prompt_length", "max_generate_length")
-WORKER_OPTIONS = ("shape", "steps", "warmup", "warmup_tokens", "threads", "vllm_gpu_memory_utilization")
+WORKER_OPTIONS = ("shape", "steps", "warmup", "warmup_tokens", "threads", "vllm_gpu_memory_utilization", "lengths")
 WORKER_OPTIONS += TRAINER_OPTIONS
 
 
@@ -184,7 +187,37 @@ def make_trainer(opts, world, output_dir, name, model=None):
         tokenizer=tokenizer,
     )
     trainer.evaluate_and_log = lambda: None
-    return use_seed_paths(trainer, *paths) if paths else trainer
+    trainer = use_seed_paths(trainer, *paths) if paths else trainer
+    if opts.lengths:
+        end_responses_at(trainer, *map(int, opts.lengths.split(":")), seed=opts.seed)
+    return trainer
+
+
+def end_responses_at(trainer, shortest, longest, seed):
+    """--lengths: every response ends (EOS) after a length drawn uniformly from [shortest, longest] tokens,
+    as real answers do, whatever the random model samples: a processor after the trainer's sampler forces it."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    eos, draws, sample = trainer.eos_token_ids[0], torch.Generator().manual_seed(seed), trainer.sample
+
+    class EndAt(LogitsProcessor):
+        def __init__(self, lengths, prompt_length):
+            self.lengths, self.prompt_length = lengths, prompt_length
+
+        def __call__(self, input_ids, scores):
+            ending = (input_ids.size(1) - self.prompt_length + 1 == self.lengths.to(scores.device)).unsqueeze(1)
+            only_eos = torch.full_like(scores, -math.inf)
+            only_eos[:, eos] = 0.0
+            return torch.where(ending, only_eos, scores)
+
+    def sample_ending(input_ids, attention_mask):
+        lengths = torch.randint(shortest, longest + 1, (input_ids.size(0),), generator=draws)
+        processors = [p for p in trainer.logits_processor or [] if not isinstance(p, EndAt)]
+        trainer.logits_processor = LogitsProcessorList(processors + [EndAt(lengths, input_ids.size(1))])
+        return sample(input_ids, attention_mask)
+
+    trainer.sample = sample_ending
 
 
 def synchronize(device):
@@ -206,6 +239,7 @@ def run_config(opts, world, name):
         trainer = make_trainer(opts, world, output_dir, name)
         build_seconds = time.perf_counter() - start  # with use_vllm: mostly vLLM's start-up
         log_step, train_step, clock, widths, base = trainer.log_step, trainer.train_step, [0.0], [], [0]
+        tokens = [0, 0]  # real and processed tokens of the training passes since the last step
 
         def set_response_budget(tokens):  # generate reads generation_config, vLLM args.max_generate_length
             trainer.generation_config.max_new_tokens = trainer.args.max_generate_length = tokens
@@ -224,13 +258,18 @@ def run_config(opts, world, name):
             log_step(metrics)
             synchronize(opts.device)
             trainer.history[-1].update({"bench/wall": time.perf_counter() - clock[0], "bench/widths": list(widths)})
+            trainer.history[-1].update({"bench/real_tokens": tokens[0], "bench/processed_tokens": tokens[1]})
             widths.clear()
+            tokens[:] = [0, 0]
             if trainer.update_steps == opts.warmup:
                 start_measuring()
             clock[0] = time.perf_counter()
 
         def recorded_train_step(model, inputs, normaliser=None):
             widths.append(tuple(inputs["prompt_response_ids"].shape))
+            real = int(inputs["attention_mask"].sum())  # a padding-free pass computes these only
+            tokens[0] += real
+            tokens[1] += real if trainer.args.padding_free else inputs["attention_mask"].numel()
             return train_step(model, inputs, normaliser)
 
         trainer.log_step, trainer.train_step = timed_log_step, recorded_train_step
@@ -251,6 +290,8 @@ def run_config(opts, world, name):
             "bench/wall",
             "num_tokens",
             "sampled_tokens",
+            "bench/real_tokens",
+            "bench/processed_tokens",
         ]
         result = {key: sum(r.get(key, 0.0) for r in measured) / len(measured) for key in keys}
         result["widths"] = sorted({tuple(w) for r in measured for w in r["bench/widths"]})
@@ -275,7 +316,7 @@ def run_loss_check(opts, world, names):
 
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = make_trainer(opts, world, output_dir, DEFAULT)
-        model, batch = trainer.model, next(trainer.prompt_batches())
+        model, batch = trainer.model, next(trainer.prompt_batches())[0]  # one micro-batch's prompts
         recorded, sample = [], trainer.sample
         trainer.sample = lambda ids, mask: (
             recorded.append(sample(ids, mask)[:, ids.size(1) :]) or torch.cat([ids, recorded[-1]], 1)
@@ -392,7 +433,7 @@ def print_results(opts, results, check, device_name):
     base = results[DEFAULT]["bench/wall"] if DEFAULT in results else math.nan
     head = (
         f"{'configuration':<26}{'step s':>8}{'x def':>7}{'sample':>8}{'reward':>8}{'old/ref':>8}{'train':>8}"
-        f"{'smp tok/s':>10}{'trn tok/s':>10}{'peak GiB':>10}{'+GiB':>7}  widths N x (P+T)"
+        f"{'smp tok/s':>10}{'trn tok/s':>10}{'peak GiB':>10}{'+GiB':>7}{'real':>7}{'procd':>7}  widths N x (P+T)"
     )
     print(f"\n{head}\n{'-' * len(head)}")
     for name, r in results.items():
@@ -400,14 +441,16 @@ def print_results(opts, results, check, device_name):
         print(
             f"{name:<26}{r['bench/wall']:>8.2f}{r['bench/wall'] / base:>7.2f}{r['time/sampling']:>8.2f}{r['time/reward']:>8.3f}"
             f"{r['time/old_ref_log_probs']:>8.2f}{r['time/training']:>8.2f}{r['sampled_tokens'] / max(r['time/sampling'], 1e-9):>10.1f}"
-            f"{r['num_tokens'] / max(r['time/training'], 1e-9):>10.1f}{r['peak_bytes'] / 2**30:>10.2f}{r['peak_delta_bytes'] / 2**30:>7.2f}  {widths}"
+            f"{r['num_tokens'] / max(r['time/training'], 1e-9):>10.1f}{r['peak_bytes'] / 2**30:>10.2f}{r['peak_delta_bytes'] / 2**30:>7.2f}"
+            f"{r['bench/real_tokens']:>7.0f}{r['bench/processed_tokens']:>7.0f}  {widths}"
         )
     print(
         f"\nstep s: wall seconds per optimizer step (mean of {opts.steps} after {opts.warmup} warm-up"
         f"{f', fastest of {opts.repeats} runs' if opts.repeats > 1 else ''}); sample/reward/old/ref/train: trainer.history's phase "
         "totals per step; x def: step time / the default's; smp tok/s: sampled tokens / sampling s; trn tok/s: trained tokens / "
         f"training s; peak GiB: {'max_memory_allocated' if opts.device.startswith('cuda') else 'peak RSS (VmHWM)'} over the measured "
-        f"steps, +GiB: that minus the level before them. Device: {device_name}."
+        f"steps, +GiB: that minus the level before them; real / procd: tokens per step in the "
+        f"training passes, real and as computed (padding included). Device: {device_name}."
     )
     if check:
         print(
@@ -460,6 +503,12 @@ def main(argv=None):
     parser.add_argument("--max_prompt_length", type=int, default=256)
     parser.add_argument("--max_generate_length", type=int, default=128)
     parser.add_argument(
+        "--lengths",
+        default="",
+        help="variable-length scenario: responses end (EOS forced) at lengths drawn from SHORTEST:LONGEST, "
+        "e.g. 20:300 (real GSM8K answers); default: the random model's own (it runs to max_generate_length)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads (0: torch's default; 1 is steadier on a shared CPU)"
     )
     parser.add_argument(
@@ -499,8 +548,6 @@ def main(argv=None):
     skipped = {}
     if not cuda:
         skipped.update({"-bf16": "bf16 autocast acts on CUDA only", "-tf32": "TF32 acts on CUDA only"})
-    if opts.batch_size == 1:
-        skipped["+per_prompt_generate"] = "batch_size 1: one prompt per generate call either way"
     names = (
         [n.strip() for n in opts.configs.split(",")]
         if opts.configs
@@ -538,7 +585,8 @@ def main(argv=None):
         print(
             f"settings: num_generations {opts.num_generations}, batch_size {opts.batch_size}, gradient_accumulation_steps "
             f"{opts.gradient_accumulation_steps}, max_prompt_length {opts.max_prompt_length}, max_generate_length "
-            f"{opts.max_generate_length}, num_iterations {opts.num_iterations}, filter_metric none; "
+            f"{opts.max_generate_length}, num_iterations {opts.num_iterations}, filter_metric none, response lengths "
+            f"{opts.lengths or 'the model own'}; "
             f"{opts.warmup} warm-up + {opts.steps} measured steps per configuration",
             flush=True,
         )

@@ -14,6 +14,9 @@ Each path gives the same results as train.py's (tests/test_performance.py checks
 - multinomial_sampling: generate's own do_sample=True (softmax + torch.multinomial over all V ids),
                        instead of greedy generate over sampling_processors' SampleKeptTokens
 - old_log_prob_pass:   a no-grad pi_old pass even when num_iterations == 1 (where pi_old = pi_theta)
+- one_call_per_batch:  a sampling call per prompt batch (micro-batch) instead of one per rollout
+- repeated_prefill:    generate runs the prompt pass once per response (G times per prompt) instead of
+                       once per prompt (kernels.generate_sharing_prompts)
 """
 
 import copy
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 SEED_PATHS = ("pad_to_max", "per_prompt_generate", "full_log_softmax", "multinomial_sampling", "old_log_prob_pass")
+SEED_PATHS += ("one_call_per_batch", "repeated_prefill")
 
 
 def pad_to_max(trainer):
@@ -101,6 +105,28 @@ def old_log_prob_pass(trainer):
         return micro_batches
 
     trainer.make_micro_batches = with_old_log_probs
+
+
+def one_call_per_batch(trainer):
+    trainer.world.rounds_to_sample = lambda *args: 1
+
+
+def repeated_prefill(trainer):
+    import train
+
+    sample = trainer.sample
+
+    def plain_generate(model, input_ids, attention_mask, **kwargs):
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    def one_prompt_pass_per_row(input_ids, attention_mask):  # train.sample's own call, with plain generate
+        shared, train.generate_sharing_prompts = train.generate_sharing_prompts, plain_generate
+        try:
+            return sample(input_ids, attention_mask)
+        finally:
+            train.generate_sharing_prompts = shared
+
+    trainer.sample = one_prompt_pass_per_row
 
 
 def use_seed_paths(trainer, *paths):

@@ -222,27 +222,28 @@ def test_correctness_filter_needs_correctness_reward(make_trainer):
 
 
 # ---------- 4. max_num_gen_batches ----------
-def count_calls(trainer, name):
-    calls = []
-    original = getattr(trainer, name)
-    setattr(trainer, name, lambda *a, **k: calls.append(1) or original(*a, **k))
+def count_rounds(trainer):
+    """The prompt batches (rounds) each sampling call of generate_experiences samples."""
+    calls, original = [], trainer.generate_experiences
+    trainer.generate_experiences = lambda batch: calls.append(len(batch["prompt"])) or original(batch)
     return calls
 
 
 def test_max_num_gen_batches_gives_up_after_that_many_rounds(make_trainer):
     trainer = make_trainer(reward_funcs=[constant], max_num_gen_batches=3, eval_steps=1000, max_generate_length=4)
-    calls = count_calls(trainer, "generate_experiences")
+    calls = count_rounds(trainer)  # batch_size 1: a prompt per round
     with pytest.raises(RuntimeError, match="max_num_gen_batches"):
         trainer.train()
-    assert len(calls) == 3 and trainer.state.skipped_groups == 3 and trainer.update_steps == 0
+    assert calls == [2, 1] and trainer.state.skipped_groups == 3 and trainer.update_steps == 0  # the step's 2, then 1
 
 
 def num_gen_batches_trainer(make_trainer, rounds, max_num_gen_batches):
     """GA=2 of 1 group each; the rewards alternate: equal totals (skipped) on odd rounds, varied on even ones,
-    so that every optimizer step takes exactly 4 sampling rounds (skip, keep, skip, keep)."""
+    so that every optimizer step takes exactly 4 sampling rounds (skip, keep, skip, keep): calls of 2, 1, 1."""
 
     def alternating(prompts, responses, answers):  # (evaluation scores rewards too, so count rounds, not calls)
-        return [1.0] * len(responses) if len(rounds) % 2 else [float(i % 4) for i in range(len(responses))]
+        first = len(rounds) - len(prompts) // 4 + 1  # this call's first round, counted from 1
+        return [1.0 if (first + i // 4) % 2 else float(i % 4) for i in range(len(responses))]
 
     trainer = make_trainer(
         reward_funcs=[alternating],
@@ -254,12 +255,12 @@ def num_gen_batches_trainer(make_trainer, rounds, max_num_gen_batches):
         loss_agg_mode="token-mean",
     )
     original = trainer.generate_experiences
-    trainer.generate_experiences = lambda batch: rounds.append(1) or original(batch)
+    trainer.generate_experiences = lambda batch: rounds.extend([1] * len(batch["prompt"])) or original(batch)
     return trainer
 
 
 def test_num_gen_batches_and_step_tokens_in_the_training_loop(make_trainer):
-    rounds = []  # generate_experiences calls
+    rounds = []  # one per prompt batch sampled
     # num_gen_batches counts the rounds of a whole optimizer step (verl's meaning): 4, which max_num_gen_batches=4 allows.
     trainer = num_gen_batches_trainer(make_trainer, rounds, max_num_gen_batches=4)
     micro_steps = []  # (normaliser, this micro-batch's tokens) of every train_step

@@ -43,7 +43,9 @@ def test_steps_per_generation_splits_one_rollout_into_optimizer_steps(make_train
     )  # fmt: skip
     sampled, old_passes, ratios = [], [], []
     generate, make = trainer.generate_experiences, trainer.make_micro_batches
-    trainer.generate_experiences = lambda batch: sampled.append(trainer.update_steps) or generate(batch)
+    trainer.generate_experiences = lambda batch: (
+        sampled.append((trainer.update_steps, len(batch["prompt"]))) or generate(batch)
+    )
 
     def counting_make(groups):
         micro_batches = make(groups)
@@ -60,9 +62,9 @@ def test_steps_per_generation_splits_one_rollout_into_optimizer_steps(make_train
 
     monkeypatch.setattr(train, "dapo_per_token_loss", spy)
     trainer.train()
-    # 4 groups per rollout (1 x 2 accumulation x 2 steps): sampled before step 0 and before step 2 only,
-    # pi_old taken once per rollout on its 4 micro-batches
-    assert sampled == [0, 0, 0, 0, 2, 2, 2, 2] and old_passes == [[True] * 4] * 2
+    # 4 groups per rollout (1 x 2 accumulation x 2 steps): its 4 prompts sampled in one call before step 0 and
+    # before step 2 only, pi_old taken once per rollout on its 4 micro-batches
+    assert sampled == [(0, 4), (2, 4)] and old_passes == [[True] * 4] * 2
     assert [step for step, _ in ratios] == [0, 0, 1, 1, 2, 2, 3, 3]  # 2 micro-steps per optimizer step
     first_steps = [r for step, r in ratios if step in (0, 2)]
     second_steps = [r for step, r in ratios if step in (1, 3)]

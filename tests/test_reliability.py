@@ -204,7 +204,7 @@ def test_the_bar_says_when_the_data_ran_out_early_and_shows_a_fresh_accuracy(mak
     valid_prompts = set()
 
     def half_valid(prompts, responses, answers):  # half of the training prompts have unequal rewards
-        return [0.0, 0.0, 1.0, 1.0] if prompts[0] in valid_prompts else [1.0] * len(responses)
+        return [float(i % 4 > 1) if p in valid_prompts else 1.0 for i, p in enumerate(prompts)]
 
     trainer = make_trainer(reward_funcs=[half_valid], epoch=1, eval_steps=2)
     valid_prompts.update(trainer.train_dataset[i]["prompt"] for i in range(0, len(trainer.train_dataset), 2))

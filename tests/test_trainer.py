@@ -224,11 +224,14 @@ def count_optimizer_steps(trainer):
 
 
 def test_optimizer_steps_follow_valid_groups(make_trainer):
-    calls = []
+    groups = []
 
-    def half_valid(prompts, responses, answers):  # every other prompt has equal rewards
-        calls.append(1)
-        return [1.0] * 4 if len(calls) % 2 else [0.0, 0.0, 1.0, 1.0]
+    def half_valid(prompts, responses, answers):  # every other group of 4, in sampling order, has equal rewards
+        rewards = []
+        for _ in range(0, len(responses), 4):
+            groups.append(1)
+            rewards += [1.0] * 4 if len(groups) % 2 else [0.0, 0.0, 1.0, 1.0]
+        return rewards
 
     trainer = make_trainer(reward_funcs=[half_valid], epoch=1, gradient_accumulation_steps=2, eval_steps=1000)
     steps = count_optimizer_steps(trainer)
