@@ -89,7 +89,11 @@ class VllmSampler:
                 **(
                     dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
                     if on_cuda
-                    else {}
+                    # After a partial (chunked) prefill vLLM rewinds the request's seeded generator, which a CPU
+                    # generator cannot do ("CPU Generator does not use offset"): a call holding more prompt tokens
+                    # than one engine step's budget crashed. Unchunked, a prompt that does not fit the step waits
+                    # whole for the next one (vLLM raises the budget to max_model_len). CUDA generators rewind.
+                    else dict(enable_chunked_prefill=False)
                 ),
             )
         finally:
