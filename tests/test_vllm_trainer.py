@@ -26,6 +26,8 @@ from vllm_sampler import StaleSamplerWeights, VllmSampler, check_sampler_gap, im
 STEPS = 3
 ACCUMULATION = 2  # two sampling rounds (of one group each, filter_metric none) per optimizer step
 SYNC_TOLERANCE = 1e-3  # |pi_old - vLLM| log-prob per token; float32 on CPU measures ~1e-6
+# The run samples and scores at T 0.7: vLLM's raw log-probs (T 1) would differ from pi_old's (logits / 0.7) by ~0.1.
+TEMPERATURE_0_7 = ("--temperature=0.7", "--top_k=0", "--score_with_temperature=true")
 
 
 def vllm_world(root, num_train=16, num_test=4, seed=0):
@@ -85,6 +87,7 @@ def run(tmp_path_factory):
             "--use_vllm=true", f"--max_steps={STEPS}", "--lr=1e-2", "--filter_metric=none", "--batch_size=1",
             f"--gradient_accumulation_steps={ACCUMULATION}", "--num_generations=4", "--max_generate_length=12",
             "--eval_samples=4", "--eval_batch_size=4", f"--eval_steps={STEPS}", "--save_steps=100",
+            *TEMPERATURE_0_7,
         ])  # fmt: skip
     initial = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return dict(trainer=trainer, initial=initial, output_dir=output_dir, events=events, micro_batches=micro_batches)
@@ -99,13 +102,16 @@ def read_lines(output_dir, name):
 def test_training_run_with_vllm_logs_and_stays_in_sync(run):
     trainer, out = run["trainer"], run["output_dir"]
     assert trainer.vllm is not None and trainer.state.update_steps == STEPS
+    assert trainer.vllm.llm.llm_engine.model_config.logprobs_mode == "processed_logprobs"  # after logits / T
     records = [json.loads(line) for line in read_lines(out, "metrics.jsonl")]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert len(read_lines(out, "training_losses.txt")) == STEPS * ACCUMULATION  # a line per micro-step
     assert [line.split(",")[0] for line in read_lines(out, "accuracy_losses.txt")] == ["0", str(STEPS)]
     for r in records:
         assert r["sampled_tokens"] > 0 and r["time/sampling"] > 0 and r["sampled_tokens_per_second"] > 0
-        assert 0 <= r["vllm/logprob_diff_mean"] <= r["vllm/logprob_diff_max"] < SYNC_TOLERANCE, r
+        gap = [r[f"vllm/logprob_diff_{name}"] for name in ("mean", "p50", "p95", "max")]
+        assert 0 <= min(gap) and gap[1] <= gap[2] <= gap[3] < SYNC_TOLERANCE and gap[0] <= gap[3], r
+        assert "vllm/is_ess" not in r  # no importance sampling by default
         assert all(torch.isfinite(torch.tensor(r[k])) for k in ("loss", "grad_norm"))
     # The weights changed...
     final, initial = dict(trainer.model.named_parameters()), dict(run["initial"].named_parameters())
@@ -126,6 +132,19 @@ def test_every_trained_micro_batch_carries_vllm_log_probs(run):
         sampler, mask = inputs["sampler_log_probs"], inputs["action_mask"]
         assert sampler.shape == mask.shape and sampler.dtype == torch.float32
         assert (sampler[mask.bool()] <= 0).all() and (sampler[~mask.bool()] == 0).all()  # padding: 0
+
+
+def test_vllm_log_probs_are_of_logits_over_the_temperature(run, monkeypatch):
+    """score_with_temperature at T 0.7: vLLM returns log_softmax(logits / 0.7), as the trainer scores (its
+    processed_logprobs); its raw log-probs, log_softmax(logits), would be another distribution."""
+    trainer, first = run["trainer"], run["micro_batches"][0]  # sampled from the initial weights
+    mask = first["action_mask"].bool()
+    scored = trainer.get_action_log_probs(run["initial"], *trainer.model_inputs(first)).detach()
+    monkeypatch.setattr(trainer.args, "score_with_temperature", False)
+    raw = trainer.get_action_log_probs(run["initial"], *trainer.model_inputs(first)).detach()
+    assert (scored - first["sampler_log_probs"])[mask].abs().max() < SYNC_TOLERANCE
+    assert (raw - first["sampler_log_probs"])[mask].abs().mean() > 10 * SYNC_TOLERANCE
+    print(f"T 0.7: mean |raw - vLLM| {(raw - first['sampler_log_probs'])[mask].abs().mean():.3f}")
 
 
 # ---------- (b) one weight push per sampling round after a step ----------
@@ -308,6 +327,17 @@ def test_a_missed_weight_reload_stops_the_run(tmp_path, monkeypatch, capsys):
 
 
 # ---------- (e) bad combinations are clear errors before any engine starts ----------
+def test_vllm_at_a_temperature_with_top_k_or_top_p_is_refused():
+    """vLLM's log-probs at T != 1 are of the top-k/top-p-truncated distribution, the trainer's are not."""
+    at_0_7 = dict(use_vllm=True, device="cpu", score_with_temperature=True, temperature=0.7)
+    for truncation in (dict(top_k=50, top_p=1.0), dict(top_k=0, top_p=0.9)):
+        with pytest.raises(ValueError, match="score_with_temperature and temperature != 1 needs top_k=0 and top_p=1"):
+            DapoArguments(**at_0_7, **truncation)
+    DapoArguments(**at_0_7, top_k=0, top_p=1.0)  # one distribution on both sides: logits / T
+    DapoArguments(**at_0_7 | dict(temperature=1.0), top_k=50)  # raw on both sides
+    DapoArguments(**at_0_7 | dict(score_with_temperature=False), top_k=50)  # raw on both sides
+
+
 def test_use_vllm_rejects_a_gguf_model():
     with pytest.raises(ValueError, match="gguf"):
         DapoArguments(model_path="/models/SmolLM2-135M.Q8_0.gguf", use_vllm=True, device="cpu")
