@@ -58,7 +58,8 @@ def repack_tied_lm_head(worker):
 
 
 class StaleSamplerWeights(ValueError):
-    """vLLM's log-probs of the drawn tokens are far from the policy's: it samples from other weights."""
+    """vLLM's log-probs of the drawn tokens are far from the policy's: it samples from other weights. A ValueError
+    (a wrong value coming in), so that train.main stops the run with its one-line "error: ..."."""
 
 
 def engine_dtype(args):
