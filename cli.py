@@ -24,7 +24,7 @@ def check_arguments(args):
     at_least_1 += "max_prompt_length max_generate_length eval_steps eval_batch_size eval_num_generations".split()
     at_least_1 += ["max_generation_rows"]
     at_least_0 = "max_steps beta weight_decay warmup_steps max_grad_norm top_k lr max_num_gen_batches".split()
-    at_least_0 += ["eval_samples", "generation_batch_size"]
+    at_least_0 += ["eval_samples", "generation_batch_size", "vllm_logprob_diff_threshold"]
     at_least_0 += "save_total_limit overlong_penalty_factor vllm_importance_sampling_cap".split()
     errors = [f"{name} must be >= 1" for name in at_least_1 if getattr(args, name) < 1]
     errors += [f"{name} must be >= 0 (0 = off)" for name in at_least_0 if getattr(args, name) < 0]
@@ -53,8 +53,11 @@ def check_arguments(args):
             not args.fsdp or processes > 1,
             "fsdp shards over processes: torchrun --nproc_per_node=N train.py --fsdp=true",
         ),
-        # vLLM's log-probs are raw (temperature 1): pi_old's must be too
-        (vllm or not args.score_with_temperature or args.temperature == 1, "score_with_temperature needs T = 1"),
+        # vLLM's log-probs at T != 1 (processed_logprobs) are of the top-k/top-p-truncated distribution, pi_old's not
+        (
+            vllm or not args.score_with_temperature or args.temperature == 1 or (args.top_k == 0 and args.top_p == 1),
+            "use_vllm with score_with_temperature and temperature != 1 needs top_k=0 and top_p=1",
+        ),
     ]
     errors += [message for ok, message in checks if not ok]
     if errors:

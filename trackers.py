@@ -10,9 +10,15 @@ from statistics import fmean, stdev
 def step_record(step, metrics):
     """One optimizer step's metrics ({name: values from every micro-step, group or response}) as one record:
     totals for times, loss and tokens; mean / min / max response length; mean and std per reward function
-    (None rewards, NaN here, left out); the largest of the maxima; the mean of everything else."""
+    (None rewards, NaN here, left out); the largest of the maxima; the mean of everything else. Per-token values
+    (a list per micro-step: vllm_sampler.sampler_correction's) are reduced over the step's tokens: the gap's
+    mean, median, 95th percentile and maximum, the weights' effective sample size, shares as token means."""
     record = {"step": step}
     for key, values in metrics.items():
+        if values and isinstance(values[0], list):  # per-token values, a list per micro-step: the step's tokens
+            values = [value for part in values for value in part]
+            if not values:
+                continue
         if key.startswith("time/") or key in ("loss", "num_tokens"):
             record[key] = sum(values)
         elif key == "completions/length":
@@ -22,6 +28,13 @@ def step_record(step, metrics):
             seen = [value for value in values if not math.isnan(value)]
             if seen:
                 record[f"{key}/mean"], record[f"{key}/std"] = fmean(seen), stdev(seen) if len(seen) > 1 else 0.0
+        elif key == "vllm/logprob_diff":  # |log pi_old - log pi_vLLM| per response token
+            ranked = sorted(values)
+            record.update({f"{key}_mean": fmean(ranked), f"{key}_p50": percentile(ranked, 0.5)})
+            record.update({f"{key}_p95": percentile(ranked, 0.95), f"{key}_max": ranked[-1]})
+        elif key == "vllm/is_weight":  # normalised effective sample size (sum w)^2 / (N sum w^2), 1 = all equal
+            squares = sum(w * w for w in values)
+            record["vllm/is_ess"] = sum(values) ** 2 / (len(values) * squares) if squares else 0.0
         else:
             record[key] = max(values) if key.endswith("_max") else fmean(values)
     if record.get("time/sampling"):
@@ -29,6 +42,14 @@ def step_record(step, metrics):
     if record.get("time/training"):
         record["train_tokens_per_second"] = record["num_tokens"] / record["time/training"]
     return record
+
+
+def percentile(ranked, q):
+    """The q-quantile of sorted values, interpolated linearly between the closest ranks (numpy's default)."""
+    position = q * (len(ranked) - 1)
+    low = int(position)
+    high = min(low + 1, len(ranked) - 1)
+    return ranked[low] + (ranked[high] - ranked[low]) * (position - low)
 
 
 def make_tracker(report_to, output_dir, config):

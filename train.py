@@ -104,6 +104,7 @@ GROUP_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "advantage
 FilterMetric = Literal["reward", "correctness", "none"]  # dynamic sampling's rule
 LossAggMode = Literal["seed", "token-mean", "seq-mean-token-mean"]
 Tracker = Literal["none", "tensorboard", "wandb", "trackio"]
+ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]  # importance sampling (TRL)
 
 
 def arg(default, help):
@@ -169,7 +170,9 @@ class DapoArguments:
     use_vllm: bool = arg(False, "sample with vLLM in this process (pip install -r requirements-vllm.txt; TRL's name)")
     vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (TRL's default)")
     vllm_enable_sleep_mode: bool = arg(False, "on CUDA, vLLM frees its memory between rollouts (TRL's name)")
-    vllm_importance_sampling_cap: float = arg(0.0, "> 0: weight tokens by min(pi_old / pi_vLLM, cap) (TRL, verl: 2)")
+    vllm_importance_sampling_cap: float = arg(0.0, "> 0: weight tokens by pi_old / pi_vLLM, capped (TRL, verl: 2)")
+    vllm_importance_sampling_mode: ISMode = arg("token_truncate", "w per token or per response; cap: truncate or mask")
+    vllm_logprob_diff_threshold: float = arg(0.1, "stop if mean |log pi_old - log pi_vLLM| per token > this; 0 = off")
 
     def __post_init__(self):
         self.validate()
@@ -583,18 +586,19 @@ class DapoTrainer:
         advantages = inputs["advantages"]  # [N]
         eps = (args.clip_eps_low, args.clip_eps_high)
         per_token_loss, ratio = dapo_per_token_loss(log_probs, old_log_probs, advantages, *eps)  # [N, T] each
-        sampler_log_probs = inputs.get("sampler_log_probs")  # [N, T] (use_vllm)
-        if sampler_log_probs is not None and args.vllm_importance_sampling_cap > 0:
-            # Truncated importance sampling (TRL, verl): vLLM drew the tokens; the loss assumes pi_old did.
-            weight = torch.exp(old_log_probs.detach() - sampler_log_probs)  # [N, T]
-            per_token_loss = per_token_loss * weight.clamp(max=args.vllm_importance_sampling_cap)
+        sampler_log_probs, metrics = inputs.get("sampler_log_probs"), {}  # [N, T] (use_vllm)
+        if sampler_log_probs is not None:  # vLLM drew the tokens, the loss assumes pi_old did: gap, guard, weights
+            from vllm_sampler import sampler_correction
+
+            weight, metrics = sampler_correction(old_log_probs.detach(), sampler_log_probs, action_mask, args)
+            per_token_loss = per_token_loss * weight  # [N, T]; 1 without vllm_importance_sampling_cap
         if args.beta != 0.0:
             kl = k3_kl(log_probs, inputs["ref_action_log_probs"], action_mask)  # [N, T]
             per_token_loss = per_token_loss + args.beta * kl
         loss = aggregate_loss(per_token_loss, action_mask, args.loss_agg_mode, args.num_generations, normaliser)
         if not return_metrics:
             return loss
-        metrics, mask = {}, action_mask.bool()
+        mask = action_mask.bool()
         if mask.any():  # diagnostics over the micro-batch's response tokens (none if all were filtered out)
             with torch.no_grad():
                 A = advantages.unsqueeze(1).expand_as(ratio)
@@ -604,9 +608,6 @@ class DapoTrainer:
                 metrics["entropy"] = entropy[mask].mean().item()
                 if args.beta != 0.0:
                     metrics["kl"] = kl[mask].mean().item()
-                if sampler_log_probs is not None:  # the gap between the sampler and the learner
-                    gap = (old_log_probs - sampler_log_probs)[mask].abs()
-                    metrics |= {"vllm/logprob_diff_mean": gap.mean().item(), "vllm/logprob_diff_max": gap.max().item()}
         return loss, metrics
 
     # ---- 4.4 log-probabilities ----

@@ -57,11 +57,70 @@ def repack_tied_lm_head(worker):
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
+class StaleSamplerWeights(ValueError):
+    """vLLM's log-probs of the drawn tokens are far from the policy's: it samples from other weights. A ValueError
+    (a wrong value coming in), so that train.main stops the run with its one-line "error: ..."."""
+
+
+def engine_dtype(args):
+    """vLLM's dtype for DapoArguments args: bf16 where the trainer autocasts to it (CUDA), else float32."""
+    return torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
+
+
+def check_sampler_gap(gap, threshold, dtype):
+    """The stale-weight guard: raise when the mean |log pi_old - log pi_vLLM| over the response tokens gap [M]
+    exceeds threshold (0 = off). Normal: ~1e-6 in float32 on CPU, ~0.015 in bf16 on CUDA (TRL issue 5312,
+    where a sleep-mode bug moved it to 0.2 silently)."""
+    if threshold > 0 and gap.numel() and gap.mean() > threshold:
+        raise StaleSamplerWeights(
+            f"vLLM's log-probs differ from the policy's by {gap.mean():.3g} per response token on average "
+            f"(vllm_logprob_diff_threshold={threshold}): vLLM samples from other weights than the policy's. "
+            f"Likely causes: the weights were not synced after a step (VllmSampler.load_weights), sleep mode lost "
+            f"them (vllm_enable_sleep_mode), or a dtype mismatch (vLLM runs {dtype}); 0 turns this check off"
+        )
+
+
+def importance_weights(log_ratio, mask, mode, cap):
+    """Importance weights for tokens that vLLM drew while the loss assumes pi_old did (TRL's and verl's modes):
+
+        token_*:    r_t = exp(log pi_old(o_t) - log pi_vLLM(o_t))                  one per token     [N, T]
+        sequence_*: r   = exp(sum_t m_t (log pi_old(o_t) - log pi_vLLM(o_t)))      one per response  [N, 1]
+        *_truncate: w = min(r, cap)                *_mask: w = r if r <= cap else 0
+
+    log_ratio: log pi_old - log pi_vLLM [N, T]; mask m: the response tokens [N, T]. Returns (w, changed), both
+    [N, T] (a response's weight on each of its tokens): the weights and where the cap changed them."""
+    log_ratio = log_ratio * mask  # padding counts for nothing in a response's sum
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True)  # [N, 1]
+    ratio = log_ratio.exp()
+    changed = ratio > cap
+    weight = ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(changed, 0.0)
+    return weight.expand_as(mask), changed.expand_as(mask)
+
+
+def sampler_correction(old_log_probs, sampler_log_probs, action_mask, args):
+    """What DapoTrainer.compute_loss does with vLLM's log-probs of the drawn tokens (all [N, T]): the gap to
+    pi_old's, the stale-weight guard, and the importance weights (vllm_importance_sampling_cap > 0; else 1).
+    Returns (weight, metrics): per-token values of this micro-batch, which trackers.step_record reduces over
+    the step (percentiles of the gap, the effective sample size of the weights)."""
+    mask = action_mask.bool()
+    log_ratio = old_log_probs - sampler_log_probs  # [N, T]
+    gap = log_ratio[mask].abs()  # [M] response tokens
+    check_sampler_gap(gap, args.vllm_logprob_diff_threshold, engine_dtype(args))
+    metrics = {"vllm/logprob_diff": gap.tolist()}
+    if args.vllm_importance_sampling_cap == 0:  # the seed's loss: no correction
+        return 1.0, metrics
+    mode, cap = args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap
+    weight, changed = importance_weights(log_ratio, action_mask, mode, cap)
+    metrics |= {"vllm/is_weight": weight[mask].tolist(), "vllm/is_truncated_frac": changed[mask].float().tolist()}
+    return weight, metrics
+
+
 class VllmSampler:
     """A vllm.LLM that mirrors `model`'s weights; generate returns token ids and their log-probs."""
 
     def __init__(self, model, device="cpu", dtype=torch.float32, max_model_len=1024,
-                 gpu_memory_utilization=0.3, enable_sleep_mode=False, seed=0):  # fmt: skip
+                 gpu_memory_utilization=0.3, enable_sleep_mode=False, seed=0, logprobs_mode="raw_logprobs"):  # fmt: skip
         check_supported(model, device)
         self.sleep_between_rollouts = enable_sleep_mode  # sample() wakes vLLM up and puts it back to sleep (CUDA)
         # Written once at start-up (not in the hot path). load_format="dummy" would skip the disk but
@@ -83,13 +142,17 @@ class VllmSampler:
                 max_model_len=max_model_len,
                 seed=seed,
                 generation_config="vllm",  # vLLM's neutral sampling defaults, not the model's
-                logprobs_mode="raw_logprobs",  # log_softmax of the model's logits, like the trainer's
+                logprobs_mode=logprobs_mode,  # the trainer's: log_softmax(logits), or of logits / T (for_trainer)
                 enable_prefix_caching=True,  # the G rows of a group share their prompt's KV blocks
                 enforce_eager=not on_cuda,  # no torch.compile on CPU (slow start, nothing gained here)
                 **(
                     dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
                     if on_cuda
-                    else {}
+                    # After a partial (chunked) prefill vLLM rewinds the request's seeded generator, which a CPU
+                    # generator cannot do ("CPU Generator does not use offset"): a call holding more prompt tokens
+                    # than one engine step's budget crashed. Unchunked, a prompt that does not fit the step waits
+                    # whole for the next one (vLLM raises the budget to max_model_len). CUDA generators rewind.
+                    else dict(enable_chunked_prefill=False)
                 ),
             )
         finally:
@@ -104,11 +167,14 @@ class VllmSampler:
 
     @classmethod
     def for_trainer(cls, model, args):
-        """The sampler of a DapoTrainer with DapoArguments args: its device, dtype, lengths and engine settings."""
-        dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
+        """The sampler of a DapoTrainer with DapoArguments args: its device, dtype, lengths and engine settings.
+        Its log-probs are of the distribution the trainer scores: log_softmax(logits), or with score_with_temperature
+        log_softmax(logits / T), vLLM's processed_logprobs when top-k and top-p are off (check_arguments)."""
         max_length = args.max_prompt_length + args.max_generate_length
+        scaled = args.score_with_temperature and args.temperature != 1
         engine = (args.vllm_gpu_memory_utilization, args.vllm_enable_sleep_mode, args.seed)
-        return cls(model, args.device, dtype, max_length, *engine)
+        return cls(model, args.device, engine_dtype(args), max_length, *engine,
+                   logprobs_mode="processed_logprobs" if scaled else "raw_logprobs")  # fmt: skip
 
     @torch.no_grad()
     def load_weights(self, model):
@@ -130,7 +196,8 @@ class VllmSampler:
         prompt_ids: B lists of prompt token ids (no padding). Returns (response_ids, log_probs): B*n
         lists each, of equal length per row; a row ends with its stop token if it stopped, or has
         max_tokens tokens. log_probs[i][t] = log softmax(logits)[response_ids[i][t]] before temperature,
-        top-k and top-p, as the trainer's get_action_log_probs computes it.
+        top-k and top-p, as the trainer's get_action_log_probs computes it (logprobs_mode "raw_logprobs"); with
+        "processed_logprobs", of the logits after temperature, top-k and top-p.
         temperature 0 is greedy. top_k 0 = off.
         """
         if temperature == 0:  # greedy: vLLM wants n == 1, so repeat each prompt n times instead

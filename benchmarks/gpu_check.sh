@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU check of train.py at Qwen2.5-1.5B's shape, with nothing downloaded: a random model of that shape
 # (bench.py's qwen2.5-1.5b, the real 151,936-id vocabulary), a few optimizer steps with use_vllm off and
-# on, side by side; prints s/step, sampled tokens/s and peak memory against a 48 GB card. ~5 minutes on
-# one H100/H200-class GPU (vLLM's start-up and torch.compile included); it stops itself at 9.5 minutes.
+# on, side by side; prints s/step, sampled tokens/s and peak memory against a 48 GB card; then one vLLM call of
+# 64 prompts x G 16 and the sampler/learner gap's percentiles. ~7 minutes on one H100/H200-class GPU (vLLM's
+# start-ups and torch.compile included); the two parts stop themselves at 9.5 and 5 minutes.
 #
 #   bash benchmarks/gpu_check.sh            # on a CUDA machine
 #   bash benchmarks/gpu_check.sh --cpu      # no GPU: the same plumbing, small shape, 16 tokens (~3 min on 2 cores)
@@ -55,6 +56,62 @@ else
 fi
 echo "gpu_check: python benchmarks/bench.py --vllm --no_loss_check ${bench[*]} (results: $JSON)"
 timeout 570 "$PYTHON" benchmarks/bench.py --vllm --no_loss_check --json "$JSON" "${bench[@]}"
+
+# One large vLLM call, as a real rollout makes it: 64 prompts x G 16 (1,024 rows, ~130k prompt tokens, far past
+# vLLM's batched-token budget, so that its prefill is chunked on CUDA), then the policy scores the same tokens
+# (bf16 autocast on CUDA, as the trainer does): the sampler/learner gap's percentiles (what train.py logs as
+# vllm/logprob_diff_*) against the stale-weight guard's default threshold; and the same call again with the same
+# per-request seeds must return the same tokens.
+echo "gpu_check: one vLLM call of 64 prompts x G 16"
+timeout 300 "$PYTHON" - "$mode" "${utilization:-0.3}" <<'EOF'
+import random, sys, time
+import torch
+sys.path[:0] = [".", "benchmarks"]
+from bench import build_model
+from tiny_world import build_tokenizer, chatml_prompt, make_problems
+from trackers import percentile
+from train import DapoArguments, SYSTEM_PROMPT
+from vllm_sampler import VllmSampler
+
+mode, utilization = sys.argv[1], float(sys.argv[2])
+device, shape, max_tokens = ("cuda", "qwen2.5-1.5b", 64) if mode == "cuda" else ("cpu", "small", 8)
+prompts = [chatml_prompt(SYSTEM_PROMPT, row["question_zh-cn"]) for row in make_problems(64, seed=0)]
+tokenizer = build_tokenizer(prompts, vocab_size=120)
+tokenizer.padding_side = "left"
+model = build_model(shape, tokenizer, device, seed=0).eval()
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+sampler = VllmSampler(model, device, dtype, max_model_len=512, gpu_memory_utilization=utilization, seed=0)
+budget = sampler.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+batch = tokenizer([p for p in prompts for _ in range(16)], return_tensors="pt", padding=True).to(device)
+ids, mask = batch["input_ids"], batch["attention_mask"]  # [1024, P]
+runs = []
+for _ in range(2):
+    sampler.rng = random.Random(0)  # the same per-request seeds
+    sampler.llm.reset_prefix_cache()  # and the same prefill, not the first call's cached blocks
+    start = time.perf_counter()
+    runs.append(sampler.sample(ids, mask, tokenizer.pad_token_id, 1.0, 1.0, 0, max_tokens, []))
+    seconds = time.perf_counter() - start
+responses, vllm_log_probs = runs[0]  # [1024, T] each (no stop token: every row has max_tokens)
+gaps = []
+with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+    for rows in torch.arange(len(ids)).split(64):
+        sequence = torch.cat([ids[rows], responses[rows]], dim=1)
+        attention = torch.cat([mask[rows], torch.ones_like(responses[rows])], dim=1)
+        position_ids = (attention.cumsum(dim=-1) - 1).clamp(min=0)
+        keep = responses.size(1) + 1  # the logits that predict the response tokens (and one past them)
+        logits = model(sequence, attention_mask=attention, position_ids=position_ids, logits_to_keep=keep).logits[:, :-1]
+        log_probs = logits.float().log_softmax(dim=-1).gather(-1, responses[rows, :, None])[..., 0]
+        gaps += (log_probs - vllm_log_probs[rows]).abs().flatten().tolist()
+ranked = sorted(gaps)
+threshold = DapoArguments.vllm_logprob_diff_threshold
+mean = sum(ranked) / len(ranked)
+same = torch.equal(runs[0][0], runs[1][0])
+print(f"  {len(ids)} rows, {int(mask.sum())} prompt tokens (engine budget {budget}), {responses.size(1)} tokens each, "
+      f"{seconds:.1f} s; same tokens again with the same seeds: {'yes' if same else 'NO'}")
+print(f"  |policy - vLLM| log-prob over {len(ranked)} tokens ({dtype}): mean {mean:.2e}, p50 {percentile(ranked, 0.5):.2e},"
+      f" p95 {percentile(ranked, 0.95):.2e}, max {ranked[-1]:.2e}; the guard (threshold {threshold}): "
+      f"{'WOULD STOP THE RUN' if mean > threshold else 'ok'}")
+EOF
 
 BUDGET_GB="$BUDGET_GB" "$PYTHON" - "$JSON" <<'EOF'
 import json, os, sys

@@ -202,3 +202,48 @@ def test_missing_vllm_names_the_requirements_file(monkeypatch):
     with pytest.raises(ImportError, match="requirements-vllm"):
         importlib.import_module("vllm_sampler")
     assert vllm_sampler.VllmSampler is VllmSampler
+
+
+# ---------- calls past the engine's token budget (issue 19) ----------
+def engine_budget(sampler):
+    """The most prompt tokens vLLM schedules in one engine step."""
+    return sampler.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+
+
+def assert_log_probs_match(model, prompts, responses, log_probs, rows):
+    for i in rows:
+        ref, _ = hf_log_probs(model, prompts[i], responses[i])
+        assert torch.allclose(ref, torch.tensor(log_probs[i]), atol=TOLERANCE, rtol=0), f"row {i}"
+
+
+def test_an_evaluation_of_208_prompts_past_the_token_budget(tiny):
+    """One call with more prompt tokens than the budget (the demo's evaluation of 200 problems): every response,
+    the same log-prob agreement as small calls. vLLM's chunked prefill of a seeded request crashed it on CPU."""
+    tokenizer, model, sampler, _ = tiny
+    rows = make_problems(208, seed=1)
+    prompts = [
+        tokenizer(chatml_prompt("You are a helpful assistant.", r["question_zh-cn"]), add_special_tokens=False)[
+            "input_ids"
+        ]
+        for r in rows
+    ]
+    assert sum(map(len, prompts)) > engine_budget(sampler)  # more than one engine step's prefill
+    ids, log_probs = sampler.generate(prompts, n=1, temperature=1.0, max_tokens=4, stop_token_ids=[])
+    assert [len(row) for row in ids] == [4] * 208 and [len(row) for row in log_probs] == [4] * 208
+    assert_log_probs_match(model, prompts, ids, log_probs, rows=range(0, 208, 23))
+
+
+def test_a_rollout_of_16_prompts_times_16_past_the_token_budget(tiny):
+    """sample() on the trainer's layout: 16 prompts x G 16 rows, left-padded; rows of a group differ."""
+    tokenizer, model, sampler, _ = tiny
+    rows = make_problems(16, seed=2)
+    texts = [chatml_prompt("You are a helpful assistant.", r["question_zh-cn"]) for r in rows]
+    prompts = [ids for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] for _ in range(16)]
+    assert sum(map(len, prompts)) > engine_budget(sampler)
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])  # [256, P]
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    response_ids, log_probs = sampler.sample(input_ids, attention_mask, tokenizer.pad_token_id, 1.0, 1.0, 0, 6, [])
+    assert response_ids.shape == log_probs.shape == (256, 6)
+    assert len({tuple(row) for row in response_ids[:16].tolist()}) > 1  # G draws, not one draw 16 times
+    assert_log_probs_match(model, prompts, response_ids.tolist(), log_probs.tolist(), rows=range(0, 256, 37))

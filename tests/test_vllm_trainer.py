@@ -20,11 +20,14 @@ import vllm_sampler  # noqa: F401  (the tests must fail, not skip, when vllm is 
 from conftest import stub_log_probs
 from tiny_world import build_tokenizer, chatml_prompt, ideal_response, make_splits, write_dataset
 from train import DapoArguments, DapoTrainer
-from vllm_sampler import VllmSampler
+from trackers import step_record
+from vllm_sampler import StaleSamplerWeights, VllmSampler, check_sampler_gap, importance_weights, sampler_correction
 
 STEPS = 3
 ACCUMULATION = 2  # two sampling rounds (of one group each, filter_metric none) per optimizer step
 SYNC_TOLERANCE = 1e-3  # |pi_old - vLLM| log-prob per token; float32 on CPU measures ~1e-6
+# The run samples and scores at T 0.7: vLLM's raw log-probs (T 1) would differ from pi_old's (logits / 0.7) by ~0.1.
+TEMPERATURE_0_7 = ("--temperature=0.7", "--top_k=0", "--score_with_temperature=true")
 
 
 def vllm_world(root, num_train=16, num_test=4, seed=0):
@@ -84,6 +87,7 @@ def run(tmp_path_factory):
             "--use_vllm=true", f"--max_steps={STEPS}", "--lr=1e-2", "--filter_metric=none", "--batch_size=1",
             f"--gradient_accumulation_steps={ACCUMULATION}", "--num_generations=4", "--max_generate_length=12",
             "--eval_samples=4", "--eval_batch_size=4", f"--eval_steps={STEPS}", "--save_steps=100",
+            *TEMPERATURE_0_7,
         ])  # fmt: skip
     initial = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return dict(trainer=trainer, initial=initial, output_dir=output_dir, events=events, micro_batches=micro_batches)
@@ -98,13 +102,16 @@ def read_lines(output_dir, name):
 def test_training_run_with_vllm_logs_and_stays_in_sync(run):
     trainer, out = run["trainer"], run["output_dir"]
     assert trainer.vllm is not None and trainer.state.update_steps == STEPS
+    assert trainer.vllm.llm.llm_engine.model_config.logprobs_mode == "processed_logprobs"  # after logits / T
     records = [json.loads(line) for line in read_lines(out, "metrics.jsonl")]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert len(read_lines(out, "training_losses.txt")) == STEPS * ACCUMULATION  # a line per micro-step
     assert [line.split(",")[0] for line in read_lines(out, "accuracy_losses.txt")] == ["0", str(STEPS)]
     for r in records:
         assert r["sampled_tokens"] > 0 and r["time/sampling"] > 0 and r["sampled_tokens_per_second"] > 0
-        assert 0 <= r["vllm/logprob_diff_mean"] <= r["vllm/logprob_diff_max"] < SYNC_TOLERANCE, r
+        gap = [r[f"vllm/logprob_diff_{name}"] for name in ("mean", "p50", "p95", "max")]
+        assert 0 <= min(gap) and gap[1] <= gap[2] <= gap[3] < SYNC_TOLERANCE and gap[0] <= gap[3], r
+        assert "vllm/is_ess" not in r  # no importance sampling by default
         assert all(torch.isfinite(torch.tensor(r[k])) for k in ("loss", "grad_norm"))
     # The weights changed...
     final, initial = dict(trainer.model.named_parameters()), dict(run["initial"].named_parameters())
@@ -125,6 +132,19 @@ def test_every_trained_micro_batch_carries_vllm_log_probs(run):
         sampler, mask = inputs["sampler_log_probs"], inputs["action_mask"]
         assert sampler.shape == mask.shape and sampler.dtype == torch.float32
         assert (sampler[mask.bool()] <= 0).all() and (sampler[~mask.bool()] == 0).all()  # padding: 0
+
+
+def test_vllm_log_probs_are_of_logits_over_the_temperature(run, monkeypatch):
+    """score_with_temperature at T 0.7: vLLM returns log_softmax(logits / 0.7), as the trainer scores (its
+    processed_logprobs); its raw log-probs, log_softmax(logits), would be another distribution."""
+    trainer, first = run["trainer"], run["micro_batches"][0]  # sampled from the initial weights
+    mask = first["action_mask"].bool()
+    scored = trainer.get_action_log_probs(run["initial"], *trainer.model_inputs(first)).detach()
+    monkeypatch.setattr(trainer.args, "score_with_temperature", False)
+    raw = trainer.get_action_log_probs(run["initial"], *trainer.model_inputs(first)).detach()
+    assert (scored - first["sampler_log_probs"])[mask].abs().max() < SYNC_TOLERANCE
+    assert (raw - first["sampler_log_probs"])[mask].abs().mean() > 10 * SYNC_TOLERANCE
+    print(f"T 0.7: mean |raw - vLLM| {(raw - first['sampler_log_probs'])[mask].abs().mean():.3f}")
 
 
 # ---------- (b) one weight push per sampling round after a step ----------
@@ -164,7 +184,9 @@ def hand_made_micro_batch(trainer):
 
 @pytest.mark.parametrize("cap", [0.0, 2.0])
 def test_importance_sampling_cap_weights_each_token(make_trainer, cap):
-    trainer = make_trainer(num_generations=2, loss_agg_mode="token-mean", vllm_importance_sampling_cap=cap)
+    trainer = make_trainer(
+        num_generations=2, loss_agg_mode="token-mean", vllm_importance_sampling_cap=cap, vllm_logprob_diff_threshold=0
+    )  # the hand-made gaps (mean 0.38) would trip the guard
     # ratios exp(0.5) (clipped at 1.28 for A > 0: no gradient), exp(-0.5), 1, 1, exp(0.1)
     log_probs = torch.tensor([[-0.5, -2.5, -0.5], [-1.5, -0.1, -7.0]], requires_grad=True)
     stub_log_probs(trainer, log_probs)
@@ -187,14 +209,20 @@ def test_importance_sampling_cap_weights_each_token(make_trainer, cap):
     assert torch.allclose(log_probs.grad, grad, rtol=1e-5, atol=1e-7)
     if cap:  # the weights the test means: 1, e (capped at 2), exp(-0.4), exp(-0.5), 1
         assert weights == pytest.approx([1.0, 2.0, 0.670320, 0.606531, 1.0], rel=1e-5)
-    # The sampler/learner gap over the 5 real tokens: |old - vllm| = 0, 1, 0.4, 0.5, 0.
-    assert metrics["vllm/logprob_diff_mean"] == pytest.approx(1.9 / 5, rel=1e-6)
-    assert metrics["vllm/logprob_diff_max"] == pytest.approx(1.0, rel=1e-6)
+    # The sampler/learner gap over the 5 real tokens: |old - vllm| = 0, 1, 0.4, 0.5, 0 (step_record reduces it).
+    assert metrics["vllm/logprob_diff"] == pytest.approx([0.0, 1.0, 0.4, 0.5, 0.0], abs=1e-6)
+    if cap:  # the weights and which of them the cap changed, token by token
+        assert metrics["vllm/is_weight"] == pytest.approx(weights, rel=1e-6)
+        assert metrics["vllm/is_truncated_frac"] == [0.0, 1.0, 0.0, 0.0, 0.0]
+    else:  # off: no weights, the seed's loss
+        assert "vllm/is_weight" not in metrics
 
 
 def test_importance_weight_without_old_log_probs_uses_the_policy_detached(make_trainer):
     """num_iterations 1: pi_old = pi_theta (detached), so the weight is min(exp(logp - vllm), cap), no gradient."""
-    trainer = make_trainer(num_generations=2, loss_agg_mode="token-mean", vllm_importance_sampling_cap=3.0)
+    trainer = make_trainer(
+        num_generations=2, loss_agg_mode="token-mean", vllm_importance_sampling_cap=3.0, vllm_logprob_diff_threshold=0
+    )
     log_probs = torch.tensor([[-0.9, -2.5, -0.5], [-1.5, -0.1, -7.0]], requires_grad=True)
     stub_log_probs(trainer, log_probs)
     inputs = hand_made_micro_batch(trainer) | {"old_action_log_probs": None}
@@ -207,7 +235,109 @@ def test_importance_weight_without_old_log_probs_uses_the_policy_detached(make_t
     assert torch.allclose(log_probs.grad, -adv * weight / 5, rtol=1e-5, atol=1e-7)
 
 
-# ---------- (d) bad combinations are clear errors before any engine starts ----------
+# log pi_old - log pi_vLLM of 2 responses of 3 tokens, the second with 2 real tokens (its third, 0.3, is padding).
+LOG_RATIO = torch.tensor([[0.0, 1.0, 0.2], [-0.5, 0.0, 0.3]])
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+E, E02, E_05 = 2.718282, 1.221403, 0.606531  # exp(1), exp(0.2), exp(-0.5)
+
+
+@pytest.mark.parametrize(
+    "mode, weight, changed",
+    [  # cap 2. Per token: ratios 1, e, e^0.2 | e^-0.5, 1 (padding: 1). Per response: e^1.2 = 3.32 | e^-0.5.
+        ("token_truncate", [[1, 2, E02], [E_05, 1, 1]], [[0, 1, 0], [0, 0, 0]]),
+        ("token_mask", [[1, 0, E02], [E_05, 1, 1]], [[0, 1, 0], [0, 0, 0]]),
+        ("sequence_truncate", [[2, 2, 2], [E_05, E_05, E_05]], [[1, 1, 1], [0, 0, 0]]),
+        ("sequence_mask", [[0, 0, 0], [E_05, E_05, E_05]], [[1, 1, 1], [0, 0, 0]]),
+    ],
+)
+def test_importance_weights_of_each_mode_by_hand(mode, weight, changed):
+    w, c = importance_weights(LOG_RATIO, MASK, mode, cap=2.0)
+    assert torch.allclose(w, torch.tensor(weight, dtype=torch.float32), atol=1e-6)
+    assert c.tolist() == [[bool(x) for x in row] for row in changed]
+
+
+def test_gap_and_weights_are_reduced_over_the_steps_tokens():
+    """Two micro-steps of 2 and 4 tokens: percentiles and shares over the 6 tokens, not means of micro-step means
+    (0.25 for the gap, 0.5 for the share)."""
+    record = step_record(7, {
+        "vllm/logprob_diff": [[0.1, 0.3], [0.0, 0.2, 0.4, 0.6]],
+        "vllm/is_weight": [[1.0, 2.0], [0.5, 1.0, 1.0, 1.0]],
+        "vllm/is_truncated_frac": [[0.0, 1.0], [0.0, 0.0, 0.0, 0.0]],
+    })  # fmt: skip
+    # sorted gaps 0 .1 .2 .3 .4 .6: mean 1.6 / 6; p50 at rank 2.5: .25; p95 at rank 4.75: .4 + .75 * .2 = .55
+    assert record["vllm/logprob_diff_mean"] == pytest.approx(1.6 / 6)
+    assert record["vllm/logprob_diff_p50"] == pytest.approx(0.25)
+    assert record["vllm/logprob_diff_p95"] == pytest.approx(0.55)
+    assert record["vllm/logprob_diff_max"] == pytest.approx(0.6)
+    # ESS = (sum w)^2 / (N sum w^2) = 6.5^2 / (6 * 8.25); one token of 6 truncated
+    assert record["vllm/is_ess"] == pytest.approx(42.25 / 49.5)
+    assert record["vllm/is_truncated_frac"] == pytest.approx(1 / 6)
+    assert "vllm/logprob_diff" not in record and "vllm/is_weight" not in record
+
+
+def test_sampler_correction_of_a_micro_batch(make_trainer):
+    """The weights a micro-batch's loss gets and its per-token metrics, sequence_truncate at cap 2."""
+    args = make_trainer(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_cap=2.0).args
+    old = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -1.0, 0.0]])
+    sampler = old - LOG_RATIO  # [N, T]
+    with pytest.raises(StaleSamplerWeights):  # mean |gap| over the 5 tokens: 1.7 / 5 = 0.34 > 0.1
+        sampler_correction(old, sampler, MASK, args)
+    args.vllm_logprob_diff_threshold = 0.5
+    weight, metrics = sampler_correction(old, sampler, MASK, args)
+    assert torch.allclose(weight, torch.tensor([[2.0] * 3, [E_05] * 3]), atol=1e-6)
+    assert metrics["vllm/logprob_diff"] == pytest.approx([0.0, 1.0, 0.2, 0.5, 0.0], abs=1e-6)
+    assert metrics["vllm/is_weight"] == pytest.approx([2, 2, 2, E_05, E_05], abs=1e-6)  # response tokens only
+    assert metrics["vllm/is_truncated_frac"] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    args.vllm_importance_sampling_cap = 0.0  # off: weight 1, the gap alone
+    assert sampler_correction(old, sampler, MASK, args) == (1.0, {"vllm/logprob_diff": metrics["vllm/logprob_diff"]})
+
+
+# ---------- (d) the stale-weight guard ----------
+def test_the_guard_names_the_likely_causes():
+    with pytest.raises(StaleSamplerWeights) as error:
+        check_sampler_gap(torch.tensor([0.1, 0.2, 0.3]), 0.15, torch.bfloat16)
+    message = str(error.value)
+    assert "by 0.2 per response token" in message and "vllm_logprob_diff_threshold=0.15" in message
+    assert (
+        "not synced" in message and "sleep mode" in message and "dtype mismatch (vLLM runs torch.bfloat16)" in message
+    )
+    assert "\n" not in message
+    check_sampler_gap(torch.tensor([0.1, 0.2, 0.3]), 0.0, torch.float32)  # 0 = off
+    check_sampler_gap(torch.tensor([0.1, 0.2, 0.3]), 0.25, torch.float32)  # under the threshold
+    check_sampler_gap(torch.tensor([]), 0.1, torch.float32)  # no response token
+
+
+def test_a_missed_weight_reload_stops_the_run(tmp_path, monkeypatch, capsys):
+    """vLLM keeps the initial weights while the policy steps (lr 1e-2): the guard stops the run at the first
+    micro-step after a step, with one line; the normal run (the `run` fixture, the demo) never trips it."""
+    model_dir, data_dir = vllm_world(str(tmp_path / "world"))
+    monkeypatch.setattr(VllmSampler, "load_weights", lambda self, model: None)  # the push is lost
+    with pytest.raises(SystemExit) as exit:
+        train.main([
+            f"--model_path={model_dir}", f"--data_path={data_dir}", f"--output_dir={tmp_path / 'run'}", "--device=cpu",
+            "--use_vllm=true", "--max_steps=2", "--lr=1e-2", "--filter_metric=none", "--num_generations=4",
+            "--max_generate_length=12", "--eval_samples=4", "--eval_batch_size=4", "--eval_steps=100",
+        ])  # fmt: skip
+    assert str(exit.value.code).startswith("error: vLLM's log-probs differ from the policy's by ")
+    assert "not synced after a step" in str(exit.value.code)
+    print(exit.value.code)
+    records = [json.loads(line) for line in read_lines(str(tmp_path / "run"), "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1]  # step 1 sampled from the weights vLLM had; step 2 did not
+    assert records[0]["vllm/logprob_diff_max"] < SYNC_TOLERANCE
+
+
+# ---------- (e) bad combinations are clear errors before any engine starts ----------
+def test_vllm_at_a_temperature_with_top_k_or_top_p_is_refused():
+    """vLLM's log-probs at T != 1 are of the top-k/top-p-truncated distribution, the trainer's are not."""
+    at_0_7 = dict(use_vllm=True, device="cpu", score_with_temperature=True, temperature=0.7)
+    for truncation in (dict(top_k=50, top_p=1.0), dict(top_k=0, top_p=0.9)):
+        with pytest.raises(ValueError, match="score_with_temperature and temperature != 1 needs top_k=0 and top_p=1"):
+            DapoArguments(**at_0_7, **truncation)
+    DapoArguments(**at_0_7, top_k=0, top_p=1.0)  # one distribution on both sides: logits / T
+    DapoArguments(**at_0_7 | dict(temperature=1.0), top_k=50)  # raw on both sides
+    DapoArguments(**at_0_7 | dict(score_with_temperature=False), top_k=50)  # raw on both sides
+
+
 def test_use_vllm_rejects_a_gguf_model():
     with pytest.raises(ValueError, match="gguf"):
         DapoArguments(model_path="/models/SmolLM2-135M.Q8_0.gguf", use_vllm=True, device="cpu")
