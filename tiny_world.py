@@ -42,7 +42,6 @@ import math
 import os
 import random
 import re
-import shutil
 
 import datasets
 import torch
@@ -50,9 +49,10 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from checkpoints import LOG_FILES, find_checkpoints
+from cli import claim_output_dir
 from curves import read_step_log
 
+DEMO_MARKER = "demo_world.txt"  # in the output_dir the demo made: the only kind of folder a new demo clears
 VOCAB_SIZE = 300  # the BPE stops at ~280: a prompt is ~31 tokens, Chinese phrases are single tokens
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ChatML, as in Qwen2.5
 # The answer format tags are single but ordinary tokens: the reward functions read text decoded
@@ -428,10 +428,12 @@ def demo_summary(history, output_dir):
     return "\n".join(lines)
 
 
-def demo_world(output_dir, system_prompt, warm_up_steps):
-    """A fresh demo in output_dir: clear its logs and checkpoints (an earlier run's would mix with this one's),
-    then build the world there. Returns (model_dir, data_dir)."""
-    for name in [*LOG_FILES, *(f"checkpoint_{step}" for step in find_checkpoints(output_dir))]:
-        path = os.path.join(output_dir, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+def demo_world(output_dir, system_prompt, warm_up_steps, overwrite=False):
+    """A fresh demo in output_dir, marked as the demo's (DEMO_MARKER). An earlier demo's logs and checkpoints
+    there are cleared (they would mix with this one's); another run's folder is refused, unless overwrite
+    (cli.claim_output_dir). Then build the world there. Returns (model_dir, data_dir)."""
+    marker = os.path.join(output_dir, DEMO_MARKER)
+    claim_output_dir(output_dir, overwrite or os.path.exists(marker), demo=True)
+    with open(marker, "w", encoding="utf-8") as f:
+        f.write("made by `python train.py --demo`: a new demo may clear this folder\n")
     return build_tiny_world(output_dir, system_prompt, warm_up_steps=warm_up_steps)

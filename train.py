@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from kernels import sampling_processors, selective_log_softmax
-from cli import check_arguments, check_before_loading, load_split, parse_cli, run_settings
+from cli import check_arguments, check_before_loading, hold_output_dir, load_split, parse_cli, run_settings
 from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume, save_checkpoint
 from reward_func import correctness_reward, digit_reward, hard_format_reward, is_correct, mark_reward
 from reward_func import example_records, load_reward_models, reward_column, reward_func_name
@@ -115,6 +115,7 @@ class DapoArguments:
     model_path: str = arg("./Qwen2.5-1.5B-Instruct", "policy: a Hugging Face folder or a .gguf file")
     data_path: str = arg("./gsm8k_chinese", "folder holding swulling/gsm8k_chinese (train/test splits)")
     output_dir: str = arg("./output", "logs, checkpoints and the final model go here")
+    overwrite_output_dir: bool = arg(False, "a fresh run may clear an earlier run's logs and checkpoints there (TRL)")
     device: str = arg("cuda" if torch.cuda.is_available() else "cpu", "where the model runs")
     seed: int = arg(42, "seeds torch's RNG (sampling, shuffling, evaluation subsets)")
     # --- optimisation (seed: plain Adam, constant lr) ---
@@ -869,23 +870,21 @@ def main(argv=None):
     except ValueError as error:
         sys.exit(f"error: {error}")
     world = distributed.setup(args.device)  # under torchrun, rank 0 alone prepares the folders; the others wait
-    if world.is_main:
-        if cli.demo and checkpoint is None:  # a new world in a clean folder: the demo owns it
-            from tiny_world import demo_world
-
-            args.model_path, args.data_path = demo_world(args.output_dir, SYSTEM_PROMPT, demo_warm_up)
-        check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run=checkpoint is None)
-    args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
-    try:
-        trainer = build_trainer(args)
-        if checkpoint:
-            trainer.world.resume(trainer, checkpoint, resume)  # the trainer's World: it holds the sync state
-        trainer.train()
-    except (ValueError, NoTrainingStep) as error:  # a refused resume, a run that never stepped
-        sys.exit(f"error: {error}")
-    except KeyboardInterrupt:  # train() saved a checkpoint and said how to resume
-        sys.exit(130)
-    trainer.save_model()
+    with hold_output_dir(args.output_dir, cli.take_over_lock, world.is_main):  # rank 0 holds it for the run
+        if world.is_main:  # a fresh demo first builds its world in a folder of its own: tiny_world.demo_world
+            demo = (SYSTEM_PROMPT, demo_warm_up) if cli.demo and checkpoint is None else None
+            check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run=checkpoint is None, demo=demo)
+        args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
+        try:
+            trainer = build_trainer(args)
+            if checkpoint:
+                trainer.world.resume(trainer, checkpoint, resume)  # the trainer's World: it holds the sync state
+            trainer.train()
+        except (ValueError, NoTrainingStep) as error:  # a refused resume, a run that never stepped
+            sys.exit(f"error: {error}")
+        except KeyboardInterrupt:  # train() saved a checkpoint and said how to resume
+            sys.exit(130)
+        trainer.save_model()
     if cli.demo and world.is_main:
         from tiny_world import demo_summary
 
