@@ -107,18 +107,22 @@ def load_splits_apart(data_path, split, error):
         cause = f"{error.__cause__ or error} (an empty or damaged file?)"
         raise ValueError(f"cannot read the data set in {data_path!r}: {cause}") from error
     if split in data and split != "train" and "train" in data:
-        here, train = data[split].features, data["train"].features
-        differ = [
-            f"{c} is {here[c].dtype} there, {train[c].dtype} in train"
-            for c in here
-            if c in train and here[c] != train[c]
-        ]
-        differ += [f"{c} is only there" for c in here if c not in train] + [
-            f"{c} is only in train" for c in train if c not in here
-        ]
-        message = f"split {split!r} of {data_path!r} differs from 'train': {'; '.join(differ)} (each split is read on its own)"
-        warnings.warn(message)
+        differ = column_differences(data[split].features, data["train"].features)
+        warnings.warn(
+            f"split {split!r} of {data_path!r} differs from 'train': {differ} (each split is read on its own)"
+        )
     return data
+
+
+def column_differences(features, train_features):
+    """'answer_only is string there, int64 in train; source is only there': how a split's columns differ."""
+    differ = [
+        f"{c} is {t.dtype} there, {train_features[c].dtype} in train"
+        for c, t in features.items()
+        if c in train_features and t != train_features[c]
+    ]
+    differ += [f"{c} is only there" for c in features if c not in train_features]
+    return "; ".join(differ + [f"{c} is only in train" for c in train_features if c not in features])
 
 
 def parse_cli(arguments_class, argv=None):
