@@ -347,7 +347,7 @@ class LoopState:
 
     def load_state_dict(self, state):
         saved, here = state.get("world_size", 1), self.world_size  # resume under as many processes as wrote it
-        launch = "python train.py" if saved == 1 else f"torchrun --nproc_per_node={saved} train.py"
+        launch = distributed.launcher(saved)
         if saved != here:
             raise ValueError(f"the checkpoint was written by {saved} process(es), this run has {here}: {launch}")
         vars(self).update(state)
@@ -453,10 +453,9 @@ class DapoTrainer:
         token_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template has its specials
         limit = self.args.max_prompt_length
         too_long = sum(len(ids) > limit for ids in token_ids)
-        if too_long:
-            self.state.truncated_prompts += too_long
-            message = f"{self.state.truncated_prompts} prompt(s) so far were longer than max_prompt_length={limit}"
-            warnings.warn(f"{message} tokens and lost their beginning")
+        if too_long and not self.state.truncated_prompts:  # once per run; metrics.jsonl counts them all
+            warnings.warn(f"prompts longer than max_prompt_length={limit} tokens lose their beginning")
+        self.state.truncated_prompts += too_long
         batch = self.tokenizer.pad({"input_ids": [ids[-limit:] for ids in token_ids]}, return_tensors="pt")  # left
         return batch["input_ids"].to(self.args.device), batch["attention_mask"].to(self.args.device)
 
@@ -727,7 +726,7 @@ class DapoTrainer:
                 if state.update_steps % args.save_steps == 0 or self.stop_requested:
                     path = self.world.save_checkpoint(self, save_checkpoint)
                 if self.stop_requested:
-                    tqdm.write(f"stopped; continue with: python train.py --resume={path}")
+                    tqdm.write(f"stopped; continue with: {distributed.launcher(state.world_size)} --resume={path}")
                     raise KeyboardInterrupt
         if state.update_steps == start_steps:  # every group was skipped, to the end of the data
             raise NoTrainingStep(f"the data ran out before one optimizer step: {starvation_advice(args)}")
@@ -773,6 +772,7 @@ class DapoTrainer:
     def log_step(self, metrics):
         """This optimizer step's record: to metrics.jsonl, the tracker and the progress bar."""
         record = step_record(self.state.update_steps, metrics) | {"skipped_groups": self.state.skipped_groups}
+        record["truncated_prompts"] = self.world.sum(self.state.truncated_prompts)  # every rank's, whole run
         if self.args.device.startswith("cuda"):
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         self.history.append(record)
