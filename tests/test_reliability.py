@@ -232,14 +232,14 @@ def test_arguments_validate_non_finite_floats():
 
 def test_the_demo_resumes_and_a_fresh_demo_clears_only_a_folder_it_made(tmp_path):
     out = tmp_path / "demo"
-    demo = ["--demo", f"--output_dir={out}", "--max_generate_length=8", "--eval_samples=4", "--eval_steps=100"]
-    main([*demo, "--max_steps=2", "--save_steps=1"])
-    assert (out / "demo_world.txt").exists()  # the demo's mark on the folder it made
     stale = out / "checkpoint_300"  # an earlier demo's, which --resume=latest would otherwise pick
-    stale.mkdir()
+    stale.mkdir(parents=True)
     (stale / "trainer_state.pt").write_bytes(b"")
-    main([*demo, "--max_steps=2", "--save_steps=1"])  # a fresh demo in its own folder: cleared, then run
+    (out / "demo_world.txt").write_text("")  # that demo's mark on the folder it made
+    demo = ["--demo", f"--output_dir={out}", "--max_generate_length=8", "--eval_samples=4", "--eval_steps=100"]
+    main([*demo, "--max_steps=2", "--save_steps=1"])  # a fresh demo in a demo's folder: cleared, then run
     assert sorted(p.name for p in out.glob("checkpoint_*")) == ["checkpoint_1", "checkpoint_2"]
+    assert "--demo" in (out / "demo_world.txt").read_text()  # marked again
     trainer = main(["--demo", "--resume=latest", f"--output_dir={out}", "--max_steps=3"])
     assert trainer.update_steps == 3 and steps_in(out) == [1, 2, 3]  # continued, not restarted
     assert trainer.last_accuracy == float((out / "accuracy_losses.txt").read_text().split()[-1].split(",")[1])
