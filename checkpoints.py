@@ -8,7 +8,9 @@ import os
 import shutil
 import signal
 import threading
+import zipfile
 
+import safetensors
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -48,8 +50,9 @@ def checkpoint_path(output_dir, step):
 def save_checkpoint(trainer, model_state=None, optimizer_state=None):
     """output_dir/checkpoint_N: model, tokenizer, optimizer, scheduler, loop position, RNG, arguments.
 
-    Written at a step end to checkpoint_N.tmp and renamed into place, so a crash (or a full disk) never
-    leaves a complete-looking half checkpoint. Older checkpoints then keep weights and tokenizer only.
+    Written at a step end to checkpoint_N.tmp, read back (checkpoint_damage) and renamed into place, so a crash
+    (or a full disk) never leaves a complete-looking half checkpoint. Only then do older checkpoints drop their
+    trainer state (keeping weights and tokenizer): one intact resumable checkpoint always exists.
     model_state, optimizer_state: the full states when the trainer's are sharded (--fsdp; see
     distributed.World.save_checkpoint); None = the model's and optimizer's own.
     """
@@ -71,6 +74,9 @@ def save_checkpoint(trainer, model_state=None, optimizer_state=None):
         }
         with open(os.path.join(tmp, ARGS_FILE), "w", encoding="utf-8") as f:
             json.dump(saved_args, f, indent=2)
+        damage = checkpoint_damage(tmp)  # read back before any older trainer state goes
+        if damage:
+            raise OSError(damage)
     except (OSError, RuntimeError) as error:  # torch reports a full disk as "RuntimeError: [enforce fail ...]"
         shutil.rmtree(tmp, ignore_errors=True)
         previous = [s for s in find_checkpoints(args.output_dir) if s != step]
@@ -164,17 +170,58 @@ def find_checkpoints(output_dir):
 
 
 def find_checkpoint(resume, output_dir):
-    """--resume=output/checkpoint_N, or --resume=latest: the newest one in output_dir."""
+    """--resume=output/checkpoint_N, or --resume=latest: the newest one in output_dir. One that does not read
+    back is refused naming its damaged file and the newest intact checkpoint."""
     if resume == "latest":
         if not find_checkpoints(output_dir):
-            raise FileNotFoundError(f"no checkpoint to resume in {output_dir!r}")
+            raise ValueError(f"no checkpoint to resume in {output_dir!r}: start a new run without --resume")
         resume = checkpoint_path(output_dir, max(find_checkpoints(output_dir)))
-    if not os.path.isfile(os.path.join(resume, TRAINER_STATE)):
-        raise FileNotFoundError(
-            f"{resume!r} is not a checkpoint folder to resume from (no {TRAINER_STATE} in it; "
-            "only the newest checkpoint keeps one)"
-        )
+    resume = os.path.normpath(resume)
+    if not os.path.isfile(os.path.join(resume, ARGS_FILE)):
+        raise ValueError(f"{resume!r} is not a checkpoint folder (no {ARGS_FILE} in it)")
+    damage = checkpoint_damage(resume)
+    if damage:
+        raise ValueError(f"{damage}; {intact_checkpoint(os.path.dirname(resume) or '.')}")
     return resume
+
+
+def checkpoint_damage(folder, resumable=True):
+    """'' when a checkpoint reads back, else its first missing or damaged file in words. Cheap, no tensor
+    loaded: each weights file's safetensors header, whose offsets must cover the file's size; the trainer
+    state's zip index (torch.save writes a zip whose index is at its end); the arguments' JSON."""
+    weights = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors")) or ["model.safetensors"]
+    for name in [*weights, ARGS_FILE, *([TRAINER_STATE] if resumable else [])]:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            newest = " (only the newest checkpoint keeps one)" if name == TRAINER_STATE else ""
+            return f"{path} is missing{newest}"
+        try:
+            if name.endswith(".safetensors"):
+                safetensors.safe_open(path, "pt").keys()
+            elif name == TRAINER_STATE:
+                zipfile.ZipFile(path).close()
+            else:
+                with open(path, encoding="utf-8") as f:
+                    json.load(f)
+        except Exception as error:  # noqa: BLE001 - SafetensorError, BadZipFile, JSONDecodeError, OSError
+            return f"{path} is damaged ({error})"
+    return ""
+
+
+def intact_checkpoint(output_dir):
+    """What --resume can use after a damaged checkpoint: the newest one that reads back, else the newest
+    weights that do (a new run can start from them)."""
+    steps = sorted(find_checkpoints(output_dir), reverse=True)
+    for step in steps:
+        if not checkpoint_damage(checkpoint_path(output_dir, step)):
+            return f"the newest intact checkpoint: --resume={checkpoint_path(output_dir, step)}"
+    for step in steps:
+        if not checkpoint_damage(checkpoint_path(output_dir, step), resumable=False):
+            weights = checkpoint_path(output_dir, step)
+            return (
+                f"no intact checkpoint keeps a trainer state; start a new run from its weights: --model_path={weights}"
+            )
+    return "no intact checkpoint is left: start a new run"
 
 
 @contextlib.contextmanager

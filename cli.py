@@ -4,18 +4,26 @@ data set's splits and columns, output_dir, reward weights), each failing with on
 its fix."""
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
+import json
 import math
 import os
+import shutil
+import socket
 import sys
 import typing
+import warnings
 
 import datasets
 import torch
 from transformers import HfArgumentParser
 
-from checkpoints import checkpoint_arguments, checkpoint_path, find_checkpoint, find_checkpoints
+from checkpoints import LOG_FILES, checkpoint_arguments, checkpoint_path, find_checkpoint, find_checkpoints
+
+LOCK_FILE = "train.lock"  # in output_dir while a run writes there: {"pid": ..., "host": ...}
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json")  # a finished run's model in output_dir
 
 
 def check_arguments(args):
@@ -74,9 +82,8 @@ def load_split(data_path, split, test_size, columns):
         )
     try:
         data = datasets.load_dataset(data_path)
-    except Exception as error:  # datasets wraps Arrow's errors, e.g. an empty parquet file
-        cause = f"{error.__cause__ or error} (an empty or damaged file?)"
-        raise ValueError(f"cannot read the data set in {data_path!r}: {cause}") from error
+    except Exception as error:  # datasets wraps Arrow's errors: an empty parquet file, splits of other types
+        data = load_splits_apart(data_path, split, error)
     if "test" not in data and "train" in data and test_size:
         data = data["train"].train_test_split(test_size=test_size, seed=0)
     if split not in data:
@@ -93,8 +100,38 @@ def load_split(data_path, split, test_size, columns):
     return rows
 
 
+def load_splits_apart(data_path, split, error):
+    """The data set's splits read one by one, for splits whose columns differ (datasets reads a folder's
+    splits under one schema): a warning names the columns in which `split` differs from "train". A split that
+    does not read by itself either gets the one line of an empty or damaged file."""
+    try:
+        builder = datasets.load_dataset_builder(data_path)
+        files = builder.config.data_files
+        data = {name: datasets.load_dataset(builder.name, data_files={name: files[name]}, split=name) for name in files}
+    except Exception:  # noqa: BLE001 - the first error is the one to report
+        cause = f"{error.__cause__ or error} (an empty or damaged file?)"
+        raise ValueError(f"cannot read the data set in {data_path!r}: {cause}") from error
+    if split in data and split != "train" and "train" in data:
+        differ = column_differences(data[split].features, data["train"].features)
+        warnings.warn(
+            f"split {split!r} of {data_path!r} differs from 'train': {differ} (each split is read on its own)"
+        )
+    return data
+
+
+def column_differences(features, train_features):
+    """'answer_only is string there, int64 in train; source is only there': how a split's columns differ."""
+    differ = [
+        f"{c} is {t.dtype} there, {train_features[c].dtype} in train"
+        for c, t in features.items()
+        if c in train_features and t != train_features[c]
+    ]
+    differ += [f"{c} is only there" for c in features if c not in train_features]
+    return "; ".join(differ + [f"{c} is only in train" for c in train_features if c not in features])
+
+
 def parse_cli(arguments_class, argv=None):
-    """Returns (namespace with --demo/--preset/--resume/--plot, {field: value} of the fields given).
+    """Returns (namespace with --demo/--preset/--resume/--plot/--take_over_lock, {field: value} of the fields given).
 
     Fields that are not given stay out of the overrides, so that presets and checkpoints can fill them.
     """
@@ -105,6 +142,7 @@ def parse_cli(arguments_class, argv=None):
     parser.add_argument("--plot", metavar="DIR", help="draw DIR/curves.png from an existing output folder, then exit")
     parser.add_argument("--eval_only", action="store_true", help="evaluate model_path on the test split, no training")
     parser.add_argument("--compare", metavar="MODEL", help="with --eval_only: a second model, in a before/after table")
+    parser.add_argument("--take_over_lock", action="store_true", help=f"take over {LOCK_FILE} of a run that has ended")
     fields = [f.name for f in dataclasses.fields(arguments_class)]
     argv = list(sys.argv[1:] if argv is None else argv)
     for i, token in enumerate(argv):  # `--reward_weights=1,0.5` -> `--reward_weights 1 0.5`
@@ -145,19 +183,14 @@ def download_help(args):
     )
 
 
-def check_output_dir(output_dir):
-    try:
-        os.makedirs(output_dir, exist_ok=True)
-        probe = os.path.join(output_dir, ".write_test")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as error:
-        sys.exit(f"error: cannot write to output_dir {output_dir!r} ({error.strerror}): choose another --output_dir")
+def check_before_loading(args, num_reward_funcs, fresh_run, demo=None):
+    """Exit with one line naming the problem and its fix. Runs in the output_dir this run holds
+    (hold_output_dir); a fresh run (not a resume) then claims it (claim_output_dir). demo: a fresh demo's
+    (system_prompt, warm_up_steps), whose world tiny_world.demo_world builds there first."""
+    if demo:
+        from tiny_world import demo_world
 
-
-def check_before_loading(args, num_reward_funcs, fresh_run):
-    """Exit with one line naming the problem and its fix. A fresh run (not a resume) must not start in a
-    folder whose checkpoints --resume=latest would then mix with it."""
+        args.model_path, args.data_path = demo_world(args.output_dir, *demo, args.overwrite_output_dir)
     if not os.path.exists(args.model_path) or not os.path.isdir(args.data_path):
         sys.exit(
             f"Model folder {args.model_path!r} or data set folder {args.data_path!r} not found.\n" + download_help(args)
@@ -171,13 +204,114 @@ def check_before_loading(args, num_reward_funcs, fresh_run):
         sys.exit(
             f"error: reward_weights has {len(args.reward_weights)} entries for {num_reward_funcs} reward functions"
         )
-    check_output_dir(args.output_dir)
-    checkpoints = find_checkpoints(args.output_dir) if fresh_run else []
-    if checkpoints:  # --resume=latest must never pick up another run's checkpoint
+    if fresh_run:
+        claim_output_dir(args.output_dir, args.overwrite_output_dir)
+
+
+def earlier_run(output_dir):
+    """What an earlier run left in output_dir, in words ('' when nothing): a fresh run there would append to
+    its logs, mix its checkpoints with --resume=latest's choice and overwrite its model."""
+    checkpoints = find_checkpoints(output_dir)
+    if checkpoints:
+        return f"checkpoints of an earlier run (checkpoint_{max(checkpoints)})"
+    found = [name for name in (*LOG_FILES, *MODEL_FILES) if os.path.exists(os.path.join(output_dir, name))]
+    return f"the logs and model of an earlier run ({', '.join(found)})" if found else ""
+
+
+def claim_output_dir(output_dir, may_clear, demo=False):
+    """A fresh run starts in a folder without an earlier run's logs and checkpoints. may_clear
+    (--overwrite_output_dir=true, or the demo in a folder it made) removes them; else exit in one line.
+    The final model stays: this run's replaces it at the end."""
+    found = earlier_run(output_dir)
+    if found and not may_clear:
+        resume = "continue it with --resume=latest, " if found.startswith("checkpoints") else ""
+        mine = " (the demo clears only a folder it made)" if demo else ""
         sys.exit(
-            f"error: {args.output_dir!r} holds checkpoints of an earlier run (checkpoint_{max(checkpoints)}): "
-            "continue it with --resume=latest, or start this one in another --output_dir"
+            f"error: {output_dir!r} holds {found}{mine}: {resume}overwrite it with --overwrite_output_dir=true, "
+            "or start this one in another --output_dir"
         )
+    for name in [*LOG_FILES, *(f"checkpoint_{step}" for step in find_checkpoints(output_dir))]:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+def lock_refusal(output_dir, take_over):
+    """Create output_dir/train.lock exclusively (O_CREAT | O_EXCL) with this process's PID and host.
+    Returns '' when this run holds it, else the one line that refuses the run. A lock whose process no longer
+    runs (same host), or one of another host (whose process this one cannot see), is taken over with
+    --take_over_lock; a lock of a live process never is."""
+    path, host = os.path.join(output_dir, LOCK_FILE), socket.gethostname()
+    for attempt in range(2):  # the second: after taking over a stale lock
+        try:
+            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            holder = lock_holder(path)
+            if holder is None:
+                gone = "names no run (one killed while starting?)"
+            elif holder["host"] != host:
+                gone = f"of PID {holder['pid']} on host {holder['host']}, another machine: if that run has ended"
+            elif not process_runs(holder["pid"]):
+                gone = f"of PID {holder['pid']} on host {host}, which no longer runs (killed?)"
+            else:
+                return (
+                    f"error: output_dir {output_dir!r} is in use by another run (PID {holder['pid']} on host {host}): "
+                    "wait for it to end, or choose another --output_dir"
+                )
+            if not take_over or attempt:
+                return f"error: output_dir {output_dir!r} has the lock {gone}: take it over with --take_over_lock"
+            print(f"taking over {path}, the lock {gone}")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            continue
+        with os.fdopen(descriptor, "w", encoding="utf-8") as f:
+            json.dump({"pid": os.getpid(), "host": host}, f)
+        return ""
+
+
+def lock_holder(path):
+    """{"pid", "host"} of a lock file; None when it names none (empty, or a run killed mid-write)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            holder = json.load(f)
+        return holder if isinstance(holder.get("pid"), int) and isinstance(holder.get("host"), str) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def process_runs(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def hold_output_dir(output_dir, take_over=False, enabled=True):
+    """This run holds output_dir (lock_refusal) until the block ends, however it ends: normally, by an error,
+    by Ctrl-C or sys.exit. Refused: exit in one line naming the holder. enabled=False holds nothing (torchrun's
+    ranks but rank 0, which holds the folder for the job)."""
+    if not enabled:
+        yield
+        return
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        refusal = lock_refusal(output_dir, take_over)
+    except OSError as error:
+        sys.exit(f"error: cannot write to output_dir {output_dir!r} ({error.strerror}): choose another --output_dir")
+    if refusal:
+        sys.exit(refusal)
+    path = os.path.join(output_dir, LOCK_FILE)
+    try:
+        yield
+    finally:
+        if lock_holder(path) == {"pid": os.getpid(), "host": socket.gethostname()}:  # still ours
+            os.remove(path)
 
 
 def eval_model(path, flag):
@@ -195,11 +329,10 @@ def eval_model(path, flag):
 
 def check_eval_only(args, compare, columns):
     """--eval_only's checks before anything loads, each exiting with one line: the model(s) exist, the data set
-    has a test split with rows and the columns, output_dir is writable. Returns the model paths to evaluate."""
+    has a test split with rows and the columns. Returns the model paths to evaluate."""
     models = [eval_model(args.model_path, "--model_path")] + ([eval_model(compare, "--compare")] if compare else [])
     try:
         load_split(args.data_path, "test", 0, columns)  # 0: no test rows held out of train, the real test split
     except (FileNotFoundError, ValueError) as error:
         sys.exit(f"error: --eval_only evaluates on the test split: {error}")
-    check_output_dir(args.output_dir)
     return models

@@ -59,6 +59,11 @@ def setup(device="cpu"):
     return World(dist.get_rank(), dist.get_world_size(), "cuda" if device.startswith("cuda") else "cpu")
 
 
+def launcher(processes):
+    """How to start a run of this many processes: the command a resume must repeat."""
+    return "python train.py" if processes == 1 else f"torchrun --nproc_per_node={processes} train.py"
+
+
 def step_slice(items, index, parts):
     """The index-th of `parts` near-equal consecutive slices of items (a rollout's micro-batches split over
     steps_per_generation optimizer steps). With len(items) = parts * k: items[index * k : (index + 1) * k]."""

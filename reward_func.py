@@ -208,12 +208,20 @@ def reward_model_scores(model, tokenizer, prompts, responses):
     return model(**inputs).logits[:, 0].float()
 
 
+class RewardFunctionError(RuntimeError):
+    """A reward function (or model) raised. The message names it; its own traceback is the cause's, which
+    train.py's main lets through (it turns only the trainer's own errors into one line)."""
+
+
 def reward_column(name, reward_func, reward_tokenizer, prompts, responses, answers, device):
     """One reward function's (or reward model's) scores of N responses: [N] float32, NaN where it returned None
     (no opinion). A wrong number of values or an infinite one is an error that names the function."""
-    if reward_tokenizer is not None:  # a reward model, scoring prompt + response
-        return reward_model_scores(reward_func, reward_tokenizer, prompts, responses)
-    values = list(reward_func(prompts=prompts, responses=responses, answers=answers))
+    try:
+        if reward_tokenizer is not None:  # a reward model, scoring prompt + response
+            return reward_model_scores(reward_func, reward_tokenizer, prompts, responses)
+        values = list(reward_func(prompts=prompts, responses=responses, answers=answers))
+    except Exception as error:  # the user's code: name it, keep its traceback
+        raise RewardFunctionError(f"reward function {name} raised {type(error).__name__}: {error}") from error
     if len(values) != len(responses):
         raise ValueError(f"reward function {name} returned {len(values)} values for {len(responses)} responses")
     values = [math.nan if v is None else float(v) for v in values]

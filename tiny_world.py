@@ -38,11 +38,11 @@ vocabulary would silently lose every Chinese character. Training with that same 
 the reloaded tokenizer identical to the trained one, whichever class ends up loading it.
 """
 
+import contextlib
 import math
 import os
 import random
 import re
-import shutil
 
 import datasets
 import torch
@@ -50,9 +50,10 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from checkpoints import LOG_FILES, find_checkpoints
+from cli import claim_output_dir
 from curves import read_accuracies
 
+DEMO_MARKER = "demo_world.txt"  # in the output_dir the demo made: the only kind of folder a new demo clears
 VOCAB_SIZE = 300  # the BPE stops at ~280: a prompt is ~31 tokens, Chinese phrases are single tokens
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ChatML, as in Qwen2.5
 # The answer format tags are single but ordinary tokens: the reward functions read text decoded
@@ -313,6 +314,19 @@ def warm_up(
     return model
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    """The warm-up on one torch thread: a hidden-64 model gains little from more, and on a loaded 2-core
+    machine two threads wait on each other (90 warm-up steps, load ~16: 55 s at 1 thread, 291 s at 2; the
+    weights are the same to the bit)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def build_tiny_world(
     root: str,
     system_prompt: str,
@@ -340,7 +354,8 @@ def build_tiny_world(
     if warm_up_steps:
         pairs = [(chatml_prompt(system_prompt, row["question_zh-cn"]), row) for row in splits["train"]]
         noisy_steps = round(warm_up_steps * WARM_UP_NOISY_SHARE)
-        warm_up(model, tokenizer, pairs, warm_up_steps, seed, noise=warm_up_noise, noisy_steps=noisy_steps)
+        with one_torch_thread():
+            warm_up(model, tokenizer, pairs, warm_up_steps, seed, noise=warm_up_noise, noisy_steps=noisy_steps)
 
     model_dir = os.path.join(root, "tiny-qwen2")
     tokenizer.save_pretrained(model_dir)
@@ -428,10 +443,12 @@ def demo_summary(history, output_dir):
     return "\n".join(lines)
 
 
-def demo_world(output_dir, system_prompt, warm_up_steps):
-    """A fresh demo in output_dir: clear its logs and checkpoints (an earlier run's would mix with this one's),
-    then build the world there. Returns (model_dir, data_dir)."""
-    for name in [*LOG_FILES, *(f"checkpoint_{step}" for step in find_checkpoints(output_dir))]:
-        path = os.path.join(output_dir, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+def demo_world(output_dir, system_prompt, warm_up_steps, overwrite=False):
+    """A fresh demo in output_dir, marked as the demo's (DEMO_MARKER). An earlier demo's logs and checkpoints
+    there are cleared (they would mix with this one's); another run's folder is refused, unless overwrite
+    (cli.claim_output_dir). Then build the world there. Returns (model_dir, data_dir)."""
+    marker = os.path.join(output_dir, DEMO_MARKER)
+    claim_output_dir(output_dir, overwrite or os.path.exists(marker), demo=True)
+    with open(marker, "w", encoding="utf-8") as f:
+        f.write("made by `python train.py --demo`: a new demo may clear this folder\n")
     return build_tiny_world(output_dir, system_prompt, warm_up_steps=warm_up_steps)

@@ -37,7 +37,8 @@ from transformers import GenerationConfig
 from kernels import generate_sharing_prompts, sampling_processors, selective_log_softmax
 from packing import balanced_micro_batches, join_batches, pack_sequences, pad_and_cat, pad_and_cat_groups
 from packing import padded_sequences, unpack
-from cli import check_arguments, check_before_loading, check_eval_only, load_split, parse_cli, run_settings
+from cli import check_arguments, check_before_loading, check_eval_only, hold_output_dir, load_split, parse_cli
+from cli import run_settings
 from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume, save_checkpoint
 from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
 from reward_func import example_records, load_reward_models, reward_column, reward_func_name
@@ -118,6 +119,7 @@ class DapoArguments:
     model_path: str = arg("./Qwen2.5-1.5B-Instruct", "policy: a Hugging Face folder or a .gguf file")
     data_path: str = arg("./gsm8k_chinese", "folder holding swulling/gsm8k_chinese (train/test splits)")
     output_dir: str = arg("./output", "logs, checkpoints and the final model go here")
+    overwrite_output_dir: bool = arg(False, "a fresh run may clear an earlier run's logs and checkpoints there (TRL)")
     device: str = arg("cuda" if torch.cuda.is_available() else "cpu", "where the model runs")
     seed: int = arg(42, "seeds torch's RNG (sampling, shuffling, evaluation subsets)")
     # --- optimisation (seed: plain Adam, constant lr) ---
@@ -333,7 +335,7 @@ class LoopState:
 
     def load_state_dict(self, state):
         saved, here = state.get("world_size", 1), self.world_size  # resume under as many processes as wrote it
-        launch = "python train.py" if saved == 1 else f"torchrun --nproc_per_node={saved} train.py"
+        launch = distributed.launcher(saved)
         if saved != here:
             raise ValueError(f"the checkpoint was written by {saved} process(es), this run has {here}: {launch}")
         vars(self).update(state)
@@ -439,10 +441,9 @@ class DapoTrainer:
         token_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template has its specials
         limit = self.args.max_prompt_length
         too_long = sum(len(ids) > limit for ids in token_ids)
-        if too_long:
-            self.state.truncated_prompts += too_long
-            message = f"{self.state.truncated_prompts} prompt(s) so far were longer than max_prompt_length={limit}"
-            warnings.warn(f"{message} tokens and lost their beginning")
+        if too_long and not self.state.truncated_prompts:  # once per run; metrics.jsonl counts them all
+            warnings.warn(f"prompts longer than max_prompt_length={limit} tokens lose their beginning")
+        self.state.truncated_prompts += too_long
         batch = self.tokenizer.pad({"input_ids": [ids[-limit:] for ids in token_ids]}, return_tensors="pt")  # left
         return batch["input_ids"].to(self.args.device), batch["attention_mask"].to(self.args.device)
 
@@ -717,7 +718,7 @@ class DapoTrainer:
                 if state.update_steps % args.save_steps == 0 or self.stop_requested:
                     path = self.world.save_checkpoint(self, save_checkpoint)
                 if self.stop_requested:
-                    tqdm.write(f"stopped; continue with: python train.py --resume={path}")
+                    tqdm.write(f"stopped; continue with: {distributed.launcher(state.world_size)} --resume={path}")
                     raise KeyboardInterrupt
         if state.update_steps == start_steps:  # every group was skipped, to the end of the data
             raise NoTrainingStep(f"the data ran out before one optimizer step: {starvation_advice(args)}")
@@ -771,6 +772,7 @@ class DapoTrainer:
         """This optimizer step's record: to metrics.jsonl, the tracker and the progress bar."""
         record = step_record(self.state.update_steps, metrics) | {"skipped_groups": self.state.skipped_groups}
         record |= self.eval_record if self.state.update_steps % self.args.eval_steps == 0 else {}  # evaluated now
+        record["truncated_prompts"] = self.world.sum(self.state.truncated_prompts)  # every rank's, whole run
         if self.args.device.startswith("cuda"):
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         self.history.append(record)
@@ -863,27 +865,26 @@ def main(argv=None):
         args = build_args(cli.preset, overrides)
     except ValueError as error:
         sys.exit(f"error: {error}")
-    if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
+    if cli.eval_only:  # checked before anything loads
         models = check_eval_only(args, cli.compare, (QUESTION_COLUMN, ANSWER_COLUMN))
-        return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
     world = distributed.setup(args.device)  # under torchrun, rank 0 alone prepares the folders; the others wait
-    if world.is_main:
-        if cli.demo and checkpoint is None:  # a new world in a clean folder: the demo owns it
-            from tiny_world import demo_world
-
-            args.model_path, args.data_path = demo_world(args.output_dir, SYSTEM_PROMPT, demo_warm_up)
-        check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run=checkpoint is None)
-    args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
-    try:
-        trainer = build_trainer(args)
-        if checkpoint:
-            trainer.world.resume(trainer, checkpoint, resume)  # the trainer's World: it holds the sync state
-        trainer.train()
-    except (ValueError, NoTrainingStep) as error:  # a refused resume, a run that never stepped
-        sys.exit(f"error: {error}")
-    except KeyboardInterrupt:  # train() saved a checkpoint and said how to resume
-        sys.exit(130)
-    trainer.save_model()
+    with hold_output_dir(args.output_dir, cli.take_over_lock, world.is_main):  # rank 0 holds it for the run
+        if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
+            return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
+        if world.is_main:  # a fresh demo first builds its world in a folder of its own: tiny_world.demo_world
+            demo = (SYSTEM_PROMPT, demo_warm_up) if cli.demo and checkpoint is None else None
+            check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run=checkpoint is None, demo=demo)
+        args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
+        try:
+            trainer = build_trainer(args)
+            if checkpoint:
+                trainer.world.resume(trainer, checkpoint, resume)  # the trainer's World: it holds the sync state
+            trainer.train()
+        except (ValueError, NoTrainingStep) as error:  # a refused resume, a run that never stepped
+            sys.exit(f"error: {error}")
+        except KeyboardInterrupt:  # train() saved a checkpoint and said how to resume
+            sys.exit(130)
+        trainer.save_model()
     if world.is_main and not cli.demo:  # the demo's summary has it too
         print(accuracy_summary(args.output_dir))
     if cli.demo and world.is_main:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from train import DapoArguments
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "dist_worker.py")
-TIMEOUT = 240  # seconds: a hang fails the test instead of the CI job
+TIMEOUT = 1200  # s per launch: a hang fails the test, not CI (this test took 252 s for 4 launches, load 17)
 
 
 def run(args, nproc=None, check=True):
@@ -85,7 +86,15 @@ def train_py(world, out, *extra, nproc=2, check=True):
 
 def test_train_py_under_torchrun_logs_once_and_resumes(world, tmp_path):
     out = str(tmp_path / "run")
+    os.makedirs(out)
+    with open(os.path.join(out, "train.lock"), "w") as f:  # a live run holds the folder: this test's process
+        json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+    refused = train_py(world, out, "--max_steps=20", check=False)
+    holder = f"is in use by another run (PID {os.getpid()} on host {socket.gethostname()})"
+    assert refused.returncode != 0 and holder in refused.stderr  # rank 0 holds the folder for the job
+    os.remove(os.path.join(out, "train.lock"))
     train_py(world, out, "--max_steps=20")
+    assert not os.path.exists(os.path.join(out, "train.lock"))  # let go at the end
     records = read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(1, 21))
     assert all(r["num_gen_batches"] == 2 for r in records)  # 4 groups a step: 2 rounds of 1 prompt on 2 ranks

@@ -246,9 +246,9 @@ def test_second_ctrl_c_or_a_raised_interrupt_stops_at_once_without_a_checkpoint(
 
 
 def test_resume_errors_name_the_problem(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint to resume"):
+    with pytest.raises(SystemExit, match="no checkpoint to resume"):
         main(["--resume=latest", f"--output_dir={tmp_path}"])
-    with pytest.raises(FileNotFoundError, match="is not a checkpoint folder"):
+    with pytest.raises(SystemExit, match="is not a checkpoint folder"):
         main([f"--resume={tmp_path}"])
 
 

@@ -286,7 +286,7 @@ def test_selective_log_softmax_peak_memory_with_a_real_vocabulary(world, tmp_pat
     }
     results = {}
     for efficient, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=600)  # a hang fails; generous for a CPU 5x slower than ours
         assert proc.returncode == 0, err[-3000:]
         results[efficient] = json.loads(out.strip().splitlines()[-1])
     ours, seed = results[True], results[False]

@@ -2,7 +2,15 @@
 
 import json
 import os
+import pathlib
+import shutil
 import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+import warnings
 
 import pytest
 import torch
@@ -10,6 +18,7 @@ import torch
 import train
 from conftest import make_batch
 from curves import read_jsonl
+from reward_func import is_correct
 from train import DapoArguments, GSM8KDataset, main
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
@@ -221,14 +230,228 @@ def test_arguments_validate_non_finite_floats():
         DapoArguments(temperature=float("nan"))
 
 
-def test_the_demo_resumes_and_a_fresh_demo_leaves_no_other_runs_checkpoint(tmp_path):
+def test_the_demo_resumes_and_a_fresh_demo_clears_only_a_folder_it_made(tmp_path):
     out = tmp_path / "demo"
     stale = out / "checkpoint_300"  # an earlier demo's, which --resume=latest would otherwise pick
     stale.mkdir(parents=True)
     (stale / "trainer_state.pt").write_bytes(b"")
+    (out / "demo_world.txt").write_text("")  # that demo's mark on the folder it made
     demo = ["--demo", f"--output_dir={out}", "--max_generate_length=8", "--eval_samples=4", "--eval_steps=100"]
-    main([*demo, "--max_steps=2", "--save_steps=1"])
+    main([*demo, "--max_steps=2", "--save_steps=1"])  # a fresh demo in a demo's folder: cleared, then run
     assert sorted(p.name for p in out.glob("checkpoint_*")) == ["checkpoint_1", "checkpoint_2"]
+    assert "--demo" in (out / "demo_world.txt").read_text()  # marked again
     trainer = main(["--demo", "--resume=latest", f"--output_dir={out}", "--max_steps=3"])
     assert trainer.update_steps == 3 and steps_in(out) == [1, 2, 3]  # continued, not restarted
     assert trainer.last_accuracy == float((out / "accuracy_losses.txt").read_text().split()[-1].split(",")[1])
+
+
+# ---------- output folders that belong to one run ----------
+def test_the_demo_refuses_a_folder_it_did_not_make(tmp_path, monkeypatch):
+    import tiny_world
+
+    def no_world(*args, **kwargs):
+        raise AssertionError("the demo built its world in another run's folder")
+
+    monkeypatch.setattr(tiny_world, "build_tiny_world", no_world)
+    out = tmp_path / "real_run"
+    (out / "checkpoint_15").mkdir(parents=True)
+    (out / "checkpoint_15" / "model.safetensors").write_bytes(b"weights")
+    (out / "metrics.jsonl").write_text('{"step": 15}\n')
+    with pytest.raises(SystemExit, match="holds checkpoints of an earlier run \\(checkpoint_15\\).*--output_dir"):
+        main(["--demo", f"--output_dir={out}"])
+    assert (out / "checkpoint_15" / "model.safetensors").read_bytes() == b"weights"
+    assert (out / "metrics.jsonl").read_text() == '{"step": 15}\n'
+    assert not (out / "train.lock").exists()
+
+
+def lock_of(pid):
+    return json.dumps({"pid": pid, "host": socket.gethostname()})
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused_naming_the_holder(world, tmp_path, monkeypatch):
+    out, started, finish, errors = tmp_path / "out", threading.Event(), threading.Event(), []
+    evaluate = train.DapoTrainer.evaluate
+
+    def first_evaluation_waits(self, *args, **kwargs):  # the first run holds the folder until told to go on
+        if not started.is_set():
+            started.set()
+            finish.wait(120)
+        return evaluate(self, *args, **kwargs)
+
+    def first_run():
+        try:
+            main(run_args(world, out, "--max_steps=2", "--eval_steps=100", "--seed=1"))
+        except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+            errors.append(error)
+
+    monkeypatch.setattr(train.DapoTrainer, "evaluate", first_evaluation_waits)
+    thread = threading.Thread(target=first_run)
+    thread.start()
+    try:
+        assert started.wait(120)
+        holder = f"PID {os.getpid()} on host {socket.gethostname()}"
+        with pytest.raises(SystemExit, match=f"is in use by another run \\({holder}\\)"):
+            main(run_args(world, out, "--max_steps=2", "--eval_steps=100", "--seed=2"))
+    finally:
+        finish.set()
+        thread.join()
+    assert errors == [] and steps_in(out) == [1, 2]  # the first run's, not doubled
+    assert not (out / "train.lock").exists()  # released at its end
+
+
+def test_a_stale_lock_is_reported_and_taken_over_only_when_asked(world, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a PID that no longer runs: a run killed with -9
+    (out / "train.lock").write_text(lock_of(gone.pid))
+    with pytest.raises(SystemExit, match=f"lock of PID {gone.pid} on host .*no longer runs.*--take_over_lock"):
+        main(run_args(world, out, "--max_steps=1", "--eval_steps=100"))
+    main(run_args(world, out, "--max_steps=1", "--eval_steps=100", "--take_over_lock"))
+    assert steps_in(out) == [1] and not (out / "train.lock").exists()
+
+    def ctrl_c(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train.DapoTrainer, "train", ctrl_c)  # the KeyboardInterrupt path also lets go
+    with pytest.raises(SystemExit) as stopped:
+        main(run_args(world, out, "--max_steps=1", "--overwrite_output_dir=true"))
+    assert stopped.value.code == 130 and not (out / "train.lock").exists()
+
+
+def test_a_fresh_run_refuses_a_finished_runs_folder_unless_asked_to_overwrite(world, tmp_path):
+    out = tmp_path / "out"
+    main(run_args(world, out, "--max_steps=2", "--eval_steps=100"))  # logs and a final model, no checkpoint
+    model = (out / "model.safetensors").read_bytes()
+    with pytest.raises(SystemExit, match="holds the logs and model of an earlier run.*--overwrite_output_dir=true"):
+        main(run_args(world, out, "--max_steps=1", "--eval_steps=100", "--seed=2"))
+    assert steps_in(out) == [1, 2] and (out / "model.safetensors").read_bytes() == model
+    main(run_args(world, out, "--max_steps=1", "--eval_steps=100", "--seed=2", "--overwrite_output_dir=true"))
+    assert steps_in(out) == [1] and (out / "model.safetensors").read_bytes() != model
+
+
+# ---------- checkpoints that survive damage ----------
+def cut_in_half(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_a_damaged_checkpoint_is_named_with_the_newest_intact_one(world, tmp_path):
+    out = tmp_path / "out"
+    main(run_args(world, out, "--max_steps=1", "--save_steps=1", "--eval_steps=100"))
+    kept = (out / "checkpoint_1" / "trainer_state.pt").read_bytes()
+    main(["--resume=latest", f"--output_dir={out}", "--max_steps=2"])
+    assert not (out / "checkpoint_1" / "trainer_state.pt").exists()  # only the newest keeps its trainer state
+    backup = tmp_path / "checkpoint_2"
+    shutil.copytree(out / "checkpoint_2", backup)
+    cut_in_half(out / "checkpoint_2" / "model.safetensors")
+    with pytest.raises(SystemExit, match="checkpoint_2/model.safetensors is damaged.*no intact checkpoint keeps"):
+        main(["--resume=latest", f"--output_dir={out}"])
+    # a run killed between writing checkpoint_2 and dropping checkpoint_1's trainer state: checkpoint_1 resumes
+    (out / "checkpoint_1" / "trainer_state.pt").write_bytes(kept)
+    intact = f"--resume={out}/checkpoint_1"
+    with pytest.raises(SystemExit, match=f"checkpoint_2/model.safetensors is damaged.*{intact}$"):
+        main(["--resume=latest", f"--output_dir={out}"])
+    shutil.rmtree(out / "checkpoint_2")
+    shutil.copytree(backup, out / "checkpoint_2")
+    cut_in_half(out / "checkpoint_2" / "trainer_state.pt")
+    with pytest.raises(SystemExit, match=f"checkpoint_2/trainer_state.pt is damaged.*{intact}$"):
+        main(["--resume=latest", f"--output_dir={out}"])
+    os.remove(out / "checkpoint_2" / "trainer_state.pt")
+    with pytest.raises(SystemExit, match=f"checkpoint_2/trainer_state.pt is missing.*{intact}$"):
+        main(["--resume=latest", f"--output_dir={out}"])
+    assert main([intact, "--max_steps=2"]).update_steps == 2
+
+
+def test_the_previous_trainer_state_stays_until_the_new_checkpoint_reads_back(make_trainer, monkeypatch):
+    trainer = make_trainer(max_steps=2, save_steps=1, eval_steps=100)
+    save_pretrained = trainer.model.save_pretrained
+
+    def weights_lost_at_step_2(folder, *args, **kwargs):  # a write that "succeeds" but leaves half a file
+        save_pretrained(folder, *args, **kwargs)
+        if trainer.update_steps == 2:
+            cut_in_half(pathlib.Path(folder) / "model.safetensors")
+
+    monkeypatch.setattr(trainer.model, "save_pretrained", weights_lost_at_step_2)
+    with pytest.raises(RuntimeError, match="could not write checkpoint_2 .*model.safetensors.*checkpoint_1 is intact"):
+        trainer.train()
+    out = trainer.args.output_dir
+    assert [name for name in os.listdir(out) if name.startswith("checkpoint")] == ["checkpoint_1"]
+    assert os.path.exists(os.path.join(out, "checkpoint_1", "trainer_state.pt"))
+
+
+def test_resume_latest_without_a_checkpoint_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=f"error: no checkpoint to resume in '{tmp_path}'"):
+        main(["--resume=latest", f"--output_dir={tmp_path}"])
+
+
+# ---------- errors that name their source ----------
+def test_a_reward_functions_error_names_it_and_keeps_its_traceback(world, tmp_path, monkeypatch):
+    def parse_reward(prompts, responses, answers):
+        return [float("x") for _ in responses]
+
+    monkeypatch.setattr(train, "SEED_REWARD_FUNCS", [parse_reward])
+    out = tmp_path / "out"
+    message = "reward function parse_reward raised ValueError: could not convert string to float: 'x'"
+    with pytest.raises(RuntimeError, match=message) as raised:
+        main(run_args(world, out, "--max_steps=1", "--reward_weights=1"))
+    assert "parse_reward" in [frame.name for frame in traceback.extract_tb(raised.value.__cause__.__traceback__)]
+    assert not (out / "train.lock").exists()
+
+
+def test_splits_of_different_types_are_named_and_both_read(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "data").mkdir()
+    train_rows = {"question_zh-cn": ["q1", "q2"], "answer_only": pa.array([1234, 3], pa.int64())}
+    test_rows = {"question_zh-cn": ["q3", "q4"], "answer_only": ["1,234", "3.0"], "source": ["a", "b"]}
+    pq.write_table(pa.table(train_rows), tmp_path / "data" / "train-00000-of-00001.parquet")
+    pq.write_table(pa.table(test_rows), tmp_path / "data" / "test-00000-of-00001.parquet")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_split = GSM8KDataset(str(tmp_path), None, split="train")
+        test_split = GSM8KDataset(str(tmp_path), None, split="test")
+    messages = [str(w.message) for w in caught]
+    assert messages == [
+        f"split 'test' of {str(tmp_path)!r} differs from 'train': answer_only is string there, int64 in train; "
+        "source is only there (each split is read on its own)"
+    ]
+    assert [train_split[0]["answer"], test_split[0]["answer"], test_split[1]["answer"]] == [1234, "1,234", "3.0"]
+    assert is_correct("<answer>\n1234\n</answer>", test_split[0]["answer"])
+
+
+# ---------- hints and warnings ----------
+def test_the_resume_hint_of_a_torchrun_run_is_the_torchrun_command(make_trainer, capsys):
+    trainer = make_trainer(max_steps=3, save_steps=100, eval_steps=100)
+    trainer.state.world_size = 2  # as torchrun's two processes would write it
+    step = trainer.train_step
+
+    def ctrl_c_in_step_1(*args, **kwargs):
+        trainer.stop_requested = True
+        return step(*args, **kwargs)
+
+    trainer.train_step = ctrl_c_in_step_1
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    hint = f"continue with: torchrun --nproc_per_node=2 train.py --resume={trainer.args.output_dir}/checkpoint_1"
+    assert hint in capsys.readouterr().out
+
+
+def test_the_long_prompt_warning_comes_once_with_a_running_count_in_the_step_log(make_trainer):
+    trainer = make_trainer(max_prompt_length=10, max_steps=2, eval_steps=100, save_steps=100)
+    encoded, encode = [], trainer.encode_prompts
+
+    def counting(prompts):  # every prompt is longer than 10 tokens: the system prompt alone is
+        encoded.append(len(prompts))
+        return encode(prompts)
+
+    trainer.encode_prompts = counting
+    counts, log_step = [], trainer.log_step
+    trainer.log_step = lambda metrics: (counts.append(sum(encoded)), log_step(metrics))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    long_prompt = [w for w in caught if "max_prompt_length=10" in str(w.message)]
+    assert len(long_prompt) == 1
+    assert [record["truncated_prompts"] for record in trainer.history] == counts and counts[0] > 4

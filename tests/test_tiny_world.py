@@ -279,3 +279,15 @@ def test_plot_curves_draws_faint_raw_series_under_their_moving_average(tmp_path,
     assert x == list(steps) and raw == pytest.approx([0.02 * s + 0.3 * (s % 2) for s in steps])
     assert smoothed == pytest.approx(curves.smooth(raw)) and alpha < 0.5  # faint raw, solid average
     assert by_label["loss"][0] == list(steps)  # micro-step line k belongs to step k + 1
+
+
+def test_the_warm_up_runs_on_one_thread_and_gives_the_threads_back(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(tiny_world, "warm_up", lambda *args, **kwargs: seen.append(torch.get_num_threads()))
+    original = torch.get_num_threads()
+    torch.set_num_threads(max(2, original))
+    try:
+        tiny_world.build_tiny_world(str(tmp_path), SYSTEM_PROMPT, num_train=8, num_test=4, warm_up_steps=2)
+        assert seen == [1] and torch.get_num_threads() == max(2, original)
+    finally:
+        torch.set_num_threads(original)
