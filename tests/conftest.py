@@ -1,6 +1,7 @@
 """Shared fixtures: one tiny world (data set, tokenizer, random Qwen2) per test session."""
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -24,6 +25,29 @@ def world(tmp_path_factory):
     ~280) keeps phrases several tokens long: prompts of several lengths, random responses that hit a tag."""
     root = str(tmp_path_factory.mktemp("world"))
     return build_tiny_world(root, SYSTEM_PROMPT, num_train=32, num_test=8, seed=0, vocab_size=120)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def demo_world_built_once(tmp_path_factory):
+    """`--demo` builds its world (a warm-up of ~20-30 s on 2 cores) in each of the five tests that run it. The same
+    arguments give the same world to the bit, so the session builds it once and copies the files: the demo's own
+    code (main, demo_world and its folder checks) still runs in every test."""
+    import tiny_world
+
+    build, built = tiny_world.build_tiny_world, {}
+
+    def build_once(root, *args, **kwargs):
+        key = repr((args, sorted(kwargs.items())))
+        if key not in built:
+            source = str(tmp_path_factory.mktemp("demo_world"))
+            built[key] = source, build(source, *args, **kwargs)
+        source, paths = built[key]
+        shutil.copytree(source, root, dirs_exist_ok=True)
+        return tuple(os.path.join(root, os.path.relpath(path, source)) for path in paths)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tiny_world, "build_tiny_world", build_once)
+        yield
 
 
 @pytest.fixture

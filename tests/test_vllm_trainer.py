@@ -24,7 +24,7 @@ from trackers import step_record
 from vllm_sampler import StaleSamplerWeights, VllmSampler, check_sampler_gap, importance_weights, sampler_correction
 
 STEPS = 3
-ACCUMULATION = 2  # two sampling rounds (of one group each, filter_metric none) per optimizer step
+ACCUMULATION = 2  # two micro-batches (of one group each, filter_metric none) per optimizer step, one call
 SYNC_TOLERANCE = 1e-3  # |pi_old - vLLM| log-prob per token; float32 on CPU measures ~1e-6
 # The run samples and scores at T 0.7: vLLM's raw log-probs (T 1) would differ from pi_old's (logits / 0.7) by ~0.1.
 TEMPERATURE_0_7 = ("--temperature=0.7", "--top_k=0", "--score_with_temperature=true")
@@ -151,7 +151,7 @@ def test_vllm_log_probs_are_of_logits_over_the_temperature(run, monkeypatch):
 def test_weights_are_pushed_once_after_each_step(run):
     events = run["events"]
     # A sample() call at a step vLLM has not seen pushes the weights (once, inside the call, before
-    # sampling); every other call (the second round of a step: another micro-step's groups) pushes nothing.
+    # sampling); every other call (a second sampling round of a step) pushes nothing.
     seen, expected = 0, []
     for event in events:
         if event[0] == "sample":
@@ -163,8 +163,9 @@ def test_weights_are_pushed_once_after_each_step(run):
     pushes = [e[1] for e in events if e[0] == "push"]
     assert pushes == list(range(1, STEPS + 1))  # steps 1, 2 (training rounds) and 3 (the final evaluation)
     calls = [e[1] for e in events if e[0] == "sample"]
-    # An evaluation at step 0, ACCUMULATION training rounds per step, an evaluation at step 3.
-    assert calls == [0] + [step for step in range(STEPS) for _ in range(ACCUMULATION)] + [STEPS]
+    # An evaluation at step 0, one sampling call per step (its ACCUMULATION micro-batches' prompts at once: no
+    # group is skipped here), an evaluation at step 3.
+    assert calls == [0] + list(range(STEPS)) + [STEPS]
 
 
 # ---------- (c) truncated importance sampling ----------
