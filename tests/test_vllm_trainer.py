@@ -374,3 +374,30 @@ def test_the_demo_runs_with_vllm(tmp_path):
     assert [line.split(",")[0] for line in read_lines(out, "accuracy_losses.txt")] == ["0", "2"]
     records = [json.loads(line) for line in read_lines(out, "metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2] and all(r["vllm/logprob_diff_max"] < 1e-3 for r in records)
+
+
+def test_eval_only_with_vllm_answers_the_whole_demo_test_split_as_generate(tmp_path):
+    """--eval_only --use_vllm=true on all 200 test problems of the demo's warm-up model (one vLLM call past
+    the engine's token budget, as the demo's own evaluation): the same greedy answers as generate."""
+    import tiny_world
+
+    model_dir, data_dir = tiny_world.build_tiny_world(
+        str(tmp_path / "world"), train.SYSTEM_PROMPT, warm_up_steps=tiny_world.DEMO_WARM_UP_STEPS
+    )  # the demo's world (tests/conftest.py builds it once per session)
+    results = {}
+    for use_vllm in ("false", "true"):
+        out = tmp_path / f"eval_vllm_{use_vllm}"
+        common = [f"--model_path={model_dir}", f"--data_path={data_dir}", f"--output_dir={out}", "--eval_samples=0"]
+        train.main(
+            ["--eval_only", *common, "--max_generate_length=20", "--eval_batch_size=200", f"--use_vllm={use_vllm}"]
+        )
+        with open(out / "eval_results.json") as f:
+            results[use_vllm] = json.load(f)["models"][model_dir]
+        samples = [json.loads(line) for line in read_lines(out, "eval_samples.jsonl")]
+        results[use_vllm]["responses"] = [sample["responses"] for sample in samples]
+    hf, vllm = results["false"], results["true"]
+    assert hf["num_problems"] == vllm["num_problems"] == 200
+    same = sum(a == b for a, b in zip(hf["responses"], vllm["responses"]))
+    assert same >= 196, same  # float32 on CPU: a greedy near-tie may flip a rare token
+    assert abs(hf["accuracy_strict"] - vllm["accuracy_strict"]) <= 0.02 and hf["accuracy_strict"] > 0.3
+    assert abs(hf["accuracy_lenient"] - vllm["accuracy_lenient"]) <= 0.02
