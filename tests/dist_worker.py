@@ -112,3 +112,5 @@ if rank == 0:
     torch.save(result, os.path.join(out, "result.pt"))
 with open(os.path.join(out, f"rank_{rank}.json"), "w") as f:
     json.dump(report, f)
+if torch.distributed.is_initialized():  # the ranks leave together: a rank whose peer already tore the process
+    torch.distributed.barrier()  # group down could abort at exit ("terminate called without an active exception")
