@@ -24,6 +24,17 @@ def pad_and_cat(tensors, value):
     return torch.cat([F.pad(x, (0, width - x.size(1)), value=value) for x in tensors])
 
 
+def trim_group(attention_mask, num_actions):
+    """The columns of one group's [G, P+T] tensors that are not padding in every row: from its longest prompt's
+    first token to its longest response's last. A sampling call pads every group to the call's longest prompt and
+    response; trimmed, each group is as wide as if it had been sampled alone (the seed's one call per prompt).
+    Returns (columns of prompt_response_ids / attention_mask, the kept width of the T response columns)."""
+    P = attention_mask.size(1) - num_actions
+    width = max(int(attention_mask[:, P:].sum(-1).max()), 1)  # responses are a prefix of their T columns
+    first = P - int(attention_mask[:, :P].sum(-1).max())  # prompts are left-padded
+    return slice(first, P + width), width
+
+
 def pad_and_cat_groups(groups, pad_token_id):
     """Join groups whose prompts (left-padded) or responses (right-padded) differ in length.
 
@@ -80,6 +91,11 @@ def unpack(values, where):
     return torch.zeros(where.shape, dtype=values.dtype, device=values.device).masked_scatter(where, values[0])
 
 
+def consecutive_micro_batches(num_groups, batch_size):
+    """The seed's micro-batches: batch_size consecutive group indices each (the last may hold fewer)."""
+    return [list(range(first, min(first + batch_size, num_groups))) for first in range(0, num_groups, batch_size)]
+
+
 def balanced_micro_batches(tokens, batch_size, num_steps):
     """The rollout's groups (tokens: each one's real token count) as micro-batches of group indices, so that the
     micro-batches of each optimizer step hold about the same number of tokens (verl's sequence-length balancing).
@@ -91,7 +107,7 @@ def balanced_micro_batches(tokens, batch_size, num_steps):
     """
     from distributed import step_slice
 
-    chunks = [list(range(first, min(first + batch_size, len(tokens)))) for first in range(0, len(tokens), batch_size)]
+    chunks = consecutive_micro_batches(len(tokens), batch_size)
     micro_batches = []
     for step in range(num_steps):
         parts = step_slice(chunks, step, num_steps)

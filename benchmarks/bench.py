@@ -5,6 +5,7 @@
     python benchmarks/bench.py --shape qwen2.5-1.5b    # Qwen2.5-1.5B's real shape, on a GPU
     python benchmarks/bench.py --estimate              # peak GPU memory of the 1.5B default, from shapes
     python benchmarks/bench.py --vllm                  # the default and use_vllm side by side (needs vllm)
+    python benchmarks/bench.py --configs "default (train.py),TRL GRPOTrainer (dapo)"   # against TRL (needs trl)
 
 What it runs. Per configuration (train.py as it is; each of seed_paths.py's paths turned on alone;
 gradient_checkpointing on; on CUDA bf16 or tf32 off; "seed" = every seed path, float32; "+use_vllm" =
@@ -19,6 +20,11 @@ kernel's peak RSS, VmHWM, reset after warm-up). A configuration that does the de
 skipped unless named in --configs (bf16/tf32 off on CPU; per_prompt_generate with batch_size 1). A
 last worker replays one set of sampled responses through every configuration and compares loss,
 log-probs and gradients on the resulting micro-batch, with fixed advantages and a fixed pi_old.
+
+"TRL GRPOTrainer (dapo)" runs TRL's GRPOTrainer(loss_type="dapo") (pip install trl==1.16.0) on the same model,
+prompts, rewards and settings (run_trl), timed from optimizer step to optimizer step; "TRL + reuse_freed_memory"
+is the same with kernels.reuse_freed_memory, the CPU heap setting train.py makes, so that the comparison can
+separate that setting from the rest. Neither is in the loss check (TRL samples its own tokens).
 
 "+use_vllm" builds its vLLM engine when its trainer is built, before the clock starts (start-up time
 is printed apart); its warm-up step also warms vLLM up. Its sampling column is vLLM's, the rest is the
@@ -74,6 +80,7 @@ BEFORE = "before issue 22"  # a sampling call per micro-batch, G prompt passes p
 CONFIGS = {
     DEFAULT: ((), {}),
     "+padding_free": ((), dict(padding_free=True)),
+    "+padding_free +arrival_order": (("arrival_order",), dict(padding_free=True)),
     BEFORE: (("one_call_per_batch", "repeated_prefill"), {}),
     **{f"+{path}": ((path,), {}) for path in SEED_PATHS},
     "+gradient_checkpointing": ((), dict(gradient_checkpointing=True)),
@@ -83,6 +90,10 @@ CONFIGS = {
     "+use_vllm": ((), dict(use_vllm=True)),
 }
 VLLM = "+use_vllm"
+# TRL's GRPOTrainer(loss_type="dapo") on the same work (run_trl); pip install trl==1.16.0. With glibc's heap
+# policy as it is, and with kernels.reuse_freed_memory, the one CPU setting of ours that applies to it as is.
+TRL, TRL_REUSE = "TRL GRPOTrainer (dapo)", "TRL + reuse_freed_memory"
+OTHERS = (TRL, TRL_REUSE)
 # DapoArguments fields the benchmark sets from its own options, and every option a worker receives.
 TRAINER_OPTIONS = ("device", "seed", "num_generations", "batch_size", "gradient_accumulation_steps")
 TRAINER_OPTIONS += ("num_iterations", "max_prompt_length", "max_generate_length")
@@ -157,10 +168,12 @@ def peak_rss_bytes():
 def make_trainer(opts, world, output_dir, name, model=None):
     """A DapoTrainer on the random model with `name`'s seed paths and overrides; no evaluation."""
     from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
-    from seed_paths import use_seed_paths
+    from seed_paths import keep_glibc_heap_policy, use_seed_paths
     from train import DapoArguments, DapoTrainer, GSM8KDataset
 
     paths, overrides = CONFIGS[name]
+    if "freed_memory_to_kernel" in paths:
+        keep_glibc_heap_policy()
     model_dir, data_dir = world
     settings = {key: getattr(opts, key) for key in TRAINER_OPTIONS}
     if overrides.get("use_vllm"):
@@ -189,32 +202,60 @@ def make_trainer(opts, world, output_dir, name, model=None):
     trainer.evaluate_and_log = lambda: None
     trainer = use_seed_paths(trainer, *paths) if paths else trainer
     if opts.lengths:
-        end_responses_at(trainer, *map(int, opts.lengths.split(":")), seed=opts.seed)
+        end_responses_at(trainer, opts.lengths, seed=opts.seed)
     return trainer
 
 
-def end_responses_at(trainer, shortest, longest, seed):
-    """--lengths: every response ends (EOS) after a length drawn uniformly from [shortest, longest] tokens,
-    as real answers do, whatever the random model samples: a processor after the trainer's sampler forces it."""
+def length_draws(lengths, seed, group_size):
+    """--lengths SHORTEST:LONGEST[:group] -> draw(n): n response lengths, uniform in that range (the same sequence
+    of draws for every configuration that samples the same rows per call). With ":group", one length per group
+    of group_size consecutive rows (a prompt's responses), each row within +-20% of it: real answers to one
+    question have similar lengths, answers to different questions do not."""
     import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
 
-    eos, draws, sample = trainer.eos_token_ids[0], torch.Generator().manual_seed(seed), trainer.sample
+    shortest, longest, *by = lengths.split(":")
+    shortest, longest = int(shortest), int(longest)
+    generator = torch.Generator().manual_seed(seed)
 
-    class EndAt(LogitsProcessor):
-        def __init__(self, lengths, prompt_length):
-            self.lengths, self.prompt_length = lengths, prompt_length
+    def draw(n):
+        if by != ["group"]:
+            return torch.randint(shortest, longest + 1, (n,), generator=generator)
+        per_group = torch.randint(shortest, longest + 1, (n // group_size,), generator=generator)
+        jitter = 0.8 + 0.4 * torch.rand(n, generator=generator)
+        return (per_group.repeat_interleave(group_size) * jitter).round().long().clamp(shortest, longest)
 
-        def __call__(self, input_ids, scores):
-            ending = (input_ids.size(1) - self.prompt_length + 1 == self.lengths.to(scores.device)).unsqueeze(1)
-            only_eos = torch.full_like(scores, -math.inf)
-            only_eos[:, eos] = 0.0
-            return torch.where(ending, only_eos, scores)
+    return draw
+
+
+def force_eos_at(lengths, prompt_length, eos):
+    """A logits processor after sampling's own: row i can only emit `eos` at its lengths[i]-th new token."""
+    import torch
+
+    def force_eos(input_ids, scores):  # scores [N, V]
+        ending = (input_ids.size(1) - prompt_length + 1 == lengths.to(scores.device)).unsqueeze(1)  # [N, 1]
+        only_eos = torch.full_like(scores, -math.inf)
+        only_eos[:, eos] = 0.0
+        return torch.where(ending, only_eos, scores)
+
+    force_eos.forces_eos = True
+    return force_eos
+
+
+def end_responses_at(trainer, lengths, seed):
+    """--lengths: every response ends (EOS) after a drawn length, as real answers do, whatever the random model
+    samples."""
+    from transformers import LogitsProcessorList
+
+    draw, eos, sample = (
+        length_draws(lengths, seed, trainer.args.num_generations),
+        trainer.eos_token_ids[0],
+        trainer.sample,
+    )
 
     def sample_ending(input_ids, attention_mask):
-        lengths = torch.randint(shortest, longest + 1, (input_ids.size(0),), generator=draws)
-        processors = [p for p in trainer.logits_processor or [] if not isinstance(p, EndAt)]
-        trainer.logits_processor = LogitsProcessorList(processors + [EndAt(lengths, input_ids.size(1))])
+        processors = [p for p in trainer.logits_processor or [] if not hasattr(p, "forces_eos")]
+        ending = force_eos_at(draw(input_ids.size(0)), input_ids.size(1), eos)
+        trainer.logits_processor = LogitsProcessorList(processors + [ending])
         return sample(input_ids, attention_mask)
 
     trainer.sample = sample_ending
@@ -239,7 +280,7 @@ def run_config(opts, world, name):
         trainer = make_trainer(opts, world, output_dir, name)
         build_seconds = time.perf_counter() - start  # with use_vllm: mostly vLLM's start-up
         log_step, train_step, clock, widths, base = trainer.log_step, trainer.train_step, [0.0], [], [0]
-        tokens = [0, 0]  # real and processed tokens of the training passes since the last step
+        tokens = [0, 0, 0]  # real and processed tokens of the training passes since the last step, most in one pass
 
         def set_response_budget(tokens):  # generate reads generation_config, vLLM args.max_generate_length
             trainer.generation_config.max_new_tokens = trainer.args.max_generate_length = tokens
@@ -259,8 +300,9 @@ def run_config(opts, world, name):
             synchronize(opts.device)
             trainer.history[-1].update({"bench/wall": time.perf_counter() - clock[0], "bench/widths": list(widths)})
             trainer.history[-1].update({"bench/real_tokens": tokens[0], "bench/processed_tokens": tokens[1]})
+            trainer.history[-1]["bench/max_pass_tokens"] = tokens[2]
             widths.clear()
-            tokens[:] = [0, 0]
+            tokens[:] = [0, 0, 0]
             if trainer.update_steps == opts.warmup:
                 start_measuring()
             clock[0] = time.perf_counter()
@@ -268,8 +310,8 @@ def run_config(opts, world, name):
         def recorded_train_step(model, inputs, normaliser=None):
             widths.append(tuple(inputs["prompt_response_ids"].shape))
             real = int(inputs["attention_mask"].sum())  # a padding-free pass computes these only
-            tokens[0] += real
-            tokens[1] += real if trainer.args.padding_free else inputs["attention_mask"].numel()
+            processed = real if trainer.args.padding_free else inputs["attention_mask"].numel()
+            tokens[0], tokens[1], tokens[2] = tokens[0] + real, tokens[1] + processed, max(tokens[2], processed)
             return train_step(model, inputs, normaliser)
 
         trainer.log_step, trainer.train_step = timed_log_step, recorded_train_step
@@ -294,6 +336,7 @@ def run_config(opts, world, name):
             "bench/processed_tokens",
         ]
         result = {key: sum(r.get(key, 0.0) for r in measured) / len(measured) for key in keys}
+        result["bench/max_pass_tokens"] = max(r["bench/max_pass_tokens"] for r in measured)
         result["widths"] = sorted({tuple(w) for r in measured for w in r["bench/widths"]})
         result["peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
         result["peak_delta_bytes"] = result["peak_bytes"] - base[0]
@@ -306,6 +349,150 @@ def run_config(opts, world, name):
             result["device_total_bytes"] = total
             result["device_peak_estimate_bytes"] = torch.cuda.max_memory_reserved() + max(outside, 0)
     return result
+
+
+# ---------- worker 1b: TRL's GRPOTrainer on the same work ----------
+def run_trl(opts, world, name):
+    """TRL's GRPOTrainer(loss_type="dapo"): the same random model, chat-formatted prompts, reward functions,
+    sampling settings (train.py's defaults), clip range, Adam and learning rate; per optimizer step
+    batch_size x gradient_accumulation_steps groups of num_generations, all sampled in one generate call (TRL's
+    way); with --lengths the same forced EOS. Timed from optimizer step to optimizer step; "sampling" is
+    generate's time and "training" the rest of the step (TRL has no finer clock). Same result keys as run_config."""
+    import gc
+
+    import torch
+    from datasets import Dataset
+    from transformers import LogitsProcessorList, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from kernels import reuse_freed_memory
+    from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
+    from train import SYSTEM_PROMPT, DapoArguments, GSM8KDataset
+
+    if name == TRL_REUSE:
+        reuse_freed_memory()
+    cuda, ours = opts.device.startswith("cuda"), DapoArguments()
+    model_dir, data_dir = world
+    tokenizer = load_tokenizer(model_dir)
+    tokenizer.padding_side = "left"
+    items = list(GSM8KDataset(data_dir, tokenizer, split="train"))
+    chat = [
+        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": item["prompt"]}] for item in items
+    ]
+    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in chat]
+    dataset = Dataset.from_dict({"prompt": prompts, "answer": [item["answer"] for item in items]})
+
+    def scored_by(reward_func):  # TRL passes dataset columns by name
+        def reward(prompts, completions, answer, **_):
+            return reward_func(prompts, completions, answer)
+
+        reward.__name__ = reward_func.__name__
+        return reward
+
+    model = build_model(opts.shape, tokenizer, opts.device, opts.seed)
+    generate, clock, draw = (
+        model.generate,
+        dict(sampling=0.0, sampled=0),
+        length_draws(opts.lengths, opts.seed, opts.num_generations) if opts.lengths else None,
+    )
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def timed_generate(*args, **kwargs):  # TRL's generate call, timed (and with --lengths, ended like ours)
+        prompt = kwargs["input_ids"]
+        if draw is not None:
+            kwargs["logits_processor"] = LogitsProcessorList([force_eos_at(draw(prompt.size(0)), prompt.size(1), eos)])
+        start = time.perf_counter()
+        out = generate(*args, **kwargs)
+        clock["sampling"] += time.perf_counter() - start
+        ended = torch.isin(
+            out[:, prompt.size(1) :], torch.tensor(model.generation_config.eos_token_id, device=out.device)
+        )
+        lengths = torch.where(ended.any(1), ended.int().argmax(1) + 1, ended.size(1))  # up to the first EOS
+        clock["sampled"] += int(lengths.sum())
+        return out
+
+    model.generate = timed_generate
+    G, steps = opts.num_generations, opts.warmup + opts.steps
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = GRPOConfig(
+            output_dir=output_dir,
+            use_cpu=not cuda,
+            bf16=cuda,
+            loss_type="dapo",
+            beta=0.0,
+            epsilon=ours.clip_eps_low,
+            epsilon_high=ours.clip_eps_high,
+            num_generations=G,
+            per_device_train_batch_size=G * opts.batch_size,  # completions per micro-batch
+            gradient_accumulation_steps=opts.gradient_accumulation_steps,
+            num_iterations=opts.num_iterations,
+            max_completion_length=opts.max_generate_length,
+            temperature=ours.temperature,
+            top_k=ours.top_k,
+            top_p=ours.top_p,
+            learning_rate=ours.lr,
+            lr_scheduler_type="constant",
+            max_grad_norm=0.0,  # the seed does not clip
+            max_steps=steps,
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=opts.seed,
+        )
+        walls, marks = [], {}
+
+        class Clock(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                synchronize(opts.device)
+                now = time.perf_counter()
+                if state.global_step > opts.warmup:
+                    walls.append(dict(wall=now - marks["last"], sampling=clock["sampling"], sampled=clock["sampled"]))
+                if state.global_step == opts.warmup:  # measure from here, as run_config does
+                    gc.collect()
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                        marks["base"] = torch.cuda.memory_allocated()
+                    else:
+                        reset_peak_rss()
+                        marks["base"] = rss_bytes()
+                clock.update(sampling=0.0, sampled=0)
+                marks["last"] = time.perf_counter()
+
+        start = time.perf_counter()
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[scored_by(f) for f in (correctness_reward, digit_reward, hard_format_reward, mark_reward)],
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[Clock()],
+        )
+        build_seconds = time.perf_counter() - start
+        synchronize(opts.device)
+        marks["last"] = time.perf_counter()
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+            trainer.train()
+    n = len(walls)
+    wall, sampling = sum(w["wall"] for w in walls) / n, sum(w["sampling"] for w in walls) / n
+    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
+    return {
+        "bench/wall": wall,
+        "time/sampling": sampling,
+        "time/reward": math.nan,
+        "time/old_ref_log_probs": math.nan,
+        "time/training": wall - sampling,
+        "sampled_tokens": sum(w["sampled"] for w in walls) / n,
+        "num_tokens": math.nan,
+        "bench/real_tokens": math.nan,
+        "bench/processed_tokens": math.nan,
+        "bench/max_pass_tokens": math.nan,
+        "widths": [],
+        "peak_bytes": peak,
+        "peak_delta_bytes": peak - marks["base"],
+        "build_seconds": build_seconds,
+        "vllm_logprob_diff_max": None,
+    }
 
 
 # ---------- worker 2: the same loss on identical inputs ----------
@@ -431,26 +618,28 @@ def run_worker(opts, world, task):
 
 def print_results(opts, results, check, device_name):
     base = results[DEFAULT]["bench/wall"] if DEFAULT in results else math.nan
+    groups = opts.batch_size * opts.gradient_accumulation_steps  # per optimizer step (filter_metric none)
     head = (
-        f"{'configuration':<26}{'step s':>8}{'x def':>7}{'sample':>8}{'reward':>8}{'old/ref':>8}{'train':>8}"
-        f"{'smp tok/s':>10}{'trn tok/s':>10}{'peak GiB':>10}{'+GiB':>7}{'real':>7}{'procd':>7}  widths N x (P+T)"
+        f"{'configuration':<26}{'step s':>8}{'s/grp':>7}{'x def':>7}{'sample':>8}{'reward':>8}{'old/ref':>8}{'train':>8}"
+        f"{'smp tok/s':>10}{'trn tok/s':>10}{'peak GiB':>10}{'+GiB':>7}{'real':>7}{'procd':>7}{'max mb':>7}  widths N x (P+T)"
     )
     print(f"\n{head}\n{'-' * len(head)}")
     for name, r in results.items():
         widths = ",".join(f"{n}x{w}" for n, w in sorted(set(map(tuple, r["widths"]))))
         print(
-            f"{name:<26}{r['bench/wall']:>8.2f}{r['bench/wall'] / base:>7.2f}{r['time/sampling']:>8.2f}{r['time/reward']:>8.3f}"
+            f"{name:<26}{r['bench/wall']:>8.2f}{r['bench/wall'] / groups:>7.2f}{r['bench/wall'] / base:>7.2f}{r['time/sampling']:>8.2f}{r['time/reward']:>8.3f}"
             f"{r['time/old_ref_log_probs']:>8.2f}{r['time/training']:>8.2f}{r['sampled_tokens'] / max(r['time/sampling'], 1e-9):>10.1f}"
             f"{r['num_tokens'] / max(r['time/training'], 1e-9):>10.1f}{r['peak_bytes'] / 2**30:>10.2f}{r['peak_delta_bytes'] / 2**30:>7.2f}"
-            f"{r['bench/real_tokens']:>7.0f}{r['bench/processed_tokens']:>7.0f}  {widths}"
+            f"{r['bench/real_tokens']:>7.0f}{r['bench/processed_tokens']:>7.0f}{r['bench/max_pass_tokens']:>7.0f}  {widths}"
         )
     print(
         f"\nstep s: wall seconds per optimizer step (mean of {opts.steps} after {opts.warmup} warm-up"
         f"{f', fastest of {opts.repeats} runs' if opts.repeats > 1 else ''}); sample/reward/old/ref/train: trainer.history's phase "
         "totals per step; x def: step time / the default's; smp tok/s: sampled tokens / sampling s; trn tok/s: trained tokens / "
         f"training s; peak GiB: {'max_memory_allocated' if opts.device.startswith('cuda') else 'peak RSS (VmHWM)'} over the measured "
-        f"steps, +GiB: that minus the level before them; real / procd: tokens per step in the "
-        f"training passes, real and as computed (padding included). Device: {device_name}."
+        f"steps, +GiB: that minus the level before them; s/grp: step s per sampled group; real / procd: tokens per step "
+        f"in the training passes, real and as computed (padding included); max mb: the most computed tokens in one "
+        f"micro-batch pass. {TRL} rows: sample = generate's time, train = the rest of the step. Device: {device_name}."
     )
     if check:
         print(
@@ -484,7 +673,7 @@ def main(argv=None):
     parser.add_argument(
         "--warmup_tokens", type=int, default=16, help="max new tokens per response in warm-up steps (default 16)"
     )
-    parser.add_argument("--configs", default=None, help="comma-separated subset of: " + "; ".join(CONFIGS))
+    parser.add_argument("--configs", default=None, help="comma-separated subset of: " + "; ".join([*CONFIGS, *OTHERS]))
     parser.add_argument(
         "--repeats",
         type=int,
@@ -506,7 +695,8 @@ def main(argv=None):
         "--lengths",
         default="",
         help="variable-length scenario: responses end (EOS forced) at lengths drawn from SHORTEST:LONGEST, "
-        "e.g. 20:300 (real GSM8K answers); default: the random model's own (it runs to max_generate_length)",
+        "e.g. 20:300 (real GSM8K answers), one per response; SHORTEST:LONGEST:group: one per group, each response "
+        "within +-20%% of it; default: the random model's own (it runs to max_generate_length)",
     )
     parser.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads (0: torch's default; 1 is steadier on a shared CPU)"
@@ -540,6 +730,8 @@ def main(argv=None):
         result = (
             run_loss_check(opts, world, json.loads(task[10:]))
             if task.startswith("losscheck:")
+            else run_trl(opts, world, task)
+            if task in OTHERS
             else run_config(opts, world, task)
         )
         print("BENCH_RESULT " + json.dumps(result))
@@ -556,8 +748,14 @@ def main(argv=None):
     if opts.vllm:
         names = names + [VLLM] if opts.configs else [DEFAULT, VLLM]
     names = list(dict.fromkeys(names))
-    if set(names) - set(CONFIGS):
-        parser.error(f"unknown configuration(s) {sorted(set(names) - set(CONFIGS))}; choose from {list(CONFIGS)}")
+    if set(names) - set(CONFIGS) - set(OTHERS):
+        unknown = sorted(set(names) - set(CONFIGS) - set(OTHERS))
+        parser.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS) + list(OTHERS)}")
+    if set(names) & set(OTHERS):
+        import importlib.util
+
+        if importlib.util.find_spec("trl") is None:
+            parser.error(f"{TRL!r} needs TRL: pip install trl==1.16.0")
     if VLLM in names:
         import importlib.util
 
@@ -605,7 +803,7 @@ def main(argv=None):
                 if name not in results or result["bench/wall"] < results[name]["bench/wall"]:
                     results[name] = result
         results = {name: results[name] for name in names}
-        checked = [n for n in names if n != VLLM]  # vLLM samples other tokens; its loss is the default's
+        checked = [n for n in names if n != VLLM and n not in OTHERS]  # vLLM: the default's loss on other tokens
         check = (
             None if opts.no_loss_check or not checked else run_worker(opts, world, "losscheck:" + json.dumps(checked))
         )
@@ -614,6 +812,11 @@ def main(argv=None):
         print(
             f"\nspeed-up of the default over the seed's paths: {results[SEED]['bench/wall'] / results[DEFAULT]['bench/wall']:.2f}x"
         )
+    for other in OTHERS:
+        if DEFAULT in results and other in results:
+            print(
+                f"speed-up of the default over {other}: {results[other]['bench/wall'] / results[DEFAULT]['bench/wall']:.2f}x"
+            )
     if VLLM in results:
         v = results[VLLM]
         print(

@@ -7,7 +7,7 @@
 Each path gives the same results as train.py's (tests/test_performance.py checks it) at the seed's cost:
 
 - pad_to_max:          prompts left-padded to max_prompt_length, responses right-padded to
-                       max_generate_length, instead of to the longest in the batch
+                       max_generate_length, instead of each group to its own longest
 - per_prompt_generate: one generate call per prompt instead of one per batch
 - full_log_softmax:    logits at every position and a float32 log-softmax over all of them
                        ([N, P+T-1, V]), instead of the T response positions and selective_log_softmax
@@ -17,6 +17,12 @@ Each path gives the same results as train.py's (tests/test_performance.py checks
 - one_call_per_batch:  a sampling call per prompt batch (micro-batch) instead of one per rollout
 - repeated_prefill:    generate runs the prompt pass once per response (G times per prompt) instead of
                        once per prompt (kernels.generate_sharing_prompts)
+- arrival_order:       with padding_free, micro-batches of batch_size groups in the order they were sampled,
+                       instead of balanced by real tokens within each optimizer step (padded passes keep
+                       that order anyway)
+- freed_memory_to_kernel: glibc's default heap policy (freed blocks of a few MB go back to the kernel and
+                       fault in again) instead of kernels.reuse_freed_memory; process-wide and not undoable,
+                       so keep_glibc_heap_policy() must run before the trainer is built
 """
 
 import copy
@@ -26,10 +32,12 @@ import torch
 import torch.nn.functional as F
 
 SEED_PATHS = ("pad_to_max", "per_prompt_generate", "full_log_softmax", "multinomial_sampling", "old_log_prob_pass")
-SEED_PATHS += ("one_call_per_batch", "repeated_prefill")
+SEED_PATHS += ("one_call_per_batch", "repeated_prefill", "arrival_order", "freed_memory_to_kernel")
 
 
 def pad_to_max(trainer):
+    import train
+
     encode_prompts, generate_samples = trainer.encode_prompts, trainer.generate_samples
     pad, P, T = trainer.tokenizer.pad_token_id, trainer.args.max_prompt_length, trainer.args.max_generate_length
 
@@ -53,7 +61,17 @@ def pad_to_max(trainer):
             )
         return out
 
+    generate_experiences = trainer.generate_experiences
+
+    def untrimmed_experiences(inputs):  # generate_experiences' own code, keeping every group at the full budget
+        trim, train.trim_group = train.trim_group, lambda attention_mask, num_actions: (slice(None), num_actions)
+        try:
+            return generate_experiences(inputs)
+        finally:
+            train.trim_group = trim
+
     trainer.encode_prompts, trainer.generate_samples = encode_to_max, samples_to_max
+    trainer.generate_experiences = untrimmed_experiences
 
 
 def per_prompt_generate(trainer):
@@ -127,6 +145,40 @@ def repeated_prefill(trainer):
             train.generate_sharing_prompts = shared
 
     trainer.sample = one_prompt_pass_per_row
+
+
+def arrival_order(trainer):
+    import train
+
+    def in_arrival_order(tokens, batch_size, num_steps):
+        return train.consecutive_micro_batches(len(tokens), batch_size)
+
+    make_micro_batches = trainer.make_micro_batches
+
+    def unbalanced(groups):  # train.make_micro_batches' own code, with the seed's grouping
+        balanced, train.balanced_micro_batches = train.balanced_micro_batches, in_arrival_order
+        try:
+            return make_micro_batches(groups)
+        finally:
+            train.balanced_micro_batches = balanced
+
+    trainer.make_micro_batches = unbalanced
+
+
+def keep_glibc_heap_policy():
+    """Before a trainer is built: it will leave glibc's heap policy as it is (train.py calls reuse_freed_memory)."""
+    import train
+
+    train.reuse_freed_memory = lambda: False
+
+
+def freed_memory_to_kernel(trainer):
+    import train
+
+    if train.reuse_freed_memory.__name__ != "<lambda>":  # mallopt's change cannot be undone exactly
+        raise RuntimeError(
+            "freed_memory_to_kernel: call seed_paths.keep_glibc_heap_policy() before building the trainer"
+        )
 
 
 def use_seed_paths(trainer, *paths):

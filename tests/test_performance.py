@@ -2,8 +2,9 @@
 
 - padding to the longest:   same log-probs, loss and gradients as padding to max_prompt/generate_length
 - selective_log_softmax:    same log-probs, entropy, loss and gradients as the seed's full float32
-                            log-softmax (float32 and bf16 logits), at a fraction of its peak memory
+                            log-softmax (float32 and bf16 logits), at a fifth of its peak memory or less
                             with Qwen2.5's 151,936-id vocabulary
+- reuse_freed_memory:       a CPU trainer's decode steps reuse freed memory instead of faulting it in
 - one generate call per batch: one Samples per prompt with the same shapes and semantics as one
                             generate call per prompt
 - SampleKeptTokens:         the same next-token distribution as generate's multinomial sampling, and
@@ -187,11 +188,12 @@ def test_selective_log_softmax_equals_the_seeds_full_log_softmax(make_trainer):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_selective_log_softmax_equals_the_reference_formula(dtype):
-    """log p[label] = x[label] - logsumexp(x), H = -sum p log p, d log p[label] / dx = onehot - p; float32 results."""
+    """log p[label] = x[label] - logsumexp(x), H = -sum p log p, d log p[label] / dx = onehot - p; float32 results.
+    70 positions: two whole blocks of POSITIONS_PER_CHUNK (32) and a partial one."""
     g = torch.Generator().manual_seed(0)
-    logits = (3 * torch.randn(3, 5, 1000, generator=g)).to(dtype)
-    labels = torch.randint(0, 1000, (3, 5), generator=g)
-    weights = torch.randn(3, 5, generator=g)
+    logits = (3 * torch.randn(3, 70, 1000, generator=g)).to(dtype)
+    labels = torch.randint(0, 1000, (3, 70), generator=g)
+    weights = torch.randn(3, 70, generator=g)
     x, y = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     log_probs, entropy = selective_log_softmax(x, labels)
     (log_probs * weights).sum().backward()
@@ -262,8 +264,9 @@ def test_selective_log_softmax_peak_memory_with_a_real_vocabulary(world, tmp_pat
     torch's CPU allocations are invisible to tracemalloc, hence the kernel's peak RSS (VmHWM, reset
     right before the call). The seed materialises [2, 384, V] float32 logits, a contiguous copy of
     their [:, :-1] slice inside log_softmax and the [2, 383, V] log-softmax: 3 x 0.43 GiB. The
-    efficient path keeps the logits of the 128 positions that score the response (0.15 GiB) and
-    one row's float32 temporaries at a time. (2 rows rather than a real micro-batch's 4 keep the test fast;
+    efficient path keeps the logits of the 128 positions that score the response (0.15 GiB) and the
+    float32 temporaries of 32 positions at a time. Issue 22 asks for at least 5x below the seed (measured
+    here: 163-170 against 1,317-1,337 MiB). (2 rows rather than a real micro-batch's 4 keep the test fast;
     both paths scale linearly in rows.)
     """
     model_dir, _ = world
@@ -299,7 +302,57 @@ def test_selective_log_softmax_peak_memory_with_a_real_vocabulary(world, tmp_pat
     assert abs(ours["checksum"] - seed["checksum"]) < 1e-3 * max(1.0, abs(seed["checksum"]))  # same log-probs
     # The seed's [2, 384, 151936] logits and [2, 383, 151936] log-softmax are 0.87 GiB by themselves.
     assert seed["extra"] > 0.8 * 2**30
-    assert seed["extra"] > 3 * ours["extra"]
+    assert seed["extra"] > 5 * ours["extra"]
+
+
+FAULTS_PROBE = r"""
+import json, resource, sys
+sys.path.insert(0, {root!r})
+import torch
+import transformers
+from train import DapoArguments, DapoTrainer
+
+torch.set_num_threads(1)
+config = transformers.Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+torch.manual_seed(0)
+model = transformers.Qwen2ForCausalLM(config).eval()
+tokenizer = transformers.AutoTokenizer.from_pretrained(sys.argv[1])
+prompts = torch.randint(0, 100, (8, 16))
+
+def faults_of_a_generate_call():  # the second of two equal calls: the first grows the heap it will reuse
+    for _ in range(2):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=32,
+                       min_new_tokens=32, do_sample=True, top_k=50)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+default = faults_of_a_generate_call()
+args = DapoArguments(device="cpu", output_dir=sys.argv[2])
+DapoTrainer(model=model, reward_funcs=[lambda prompts, responses, answers: [0.0] * len(responses)], args=args,
+            tokenizer=tokenizer)
+print(json.dumps(dict(default=default, trainer=faults_of_a_generate_call())))
+"""
+
+
+def test_a_cpu_trainer_reuses_freed_memory_without_page_faults(world, tmp_path):
+    """kernels.reuse_freed_memory, which a CPU DapoTrainer calls: each decode step's [8, 151936] logits and their
+    sampling temporaries (~5 MB each) are reused from the heap instead of being unmapped and faulted in again.
+    Page faults of generating 32 tokens for 8 rows, in a fresh process, before and after a trainer is built
+    (measured: 14,126 and 8)."""
+    model_dir, _ = world
+    script = FAULTS_PROBE.format(root=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, model_dir, str(tmp_path / "out")], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    faults = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(
+        f"\npage faults of one 8 x 32-token generate call: glibc's default {faults['default']}, after "
+        f"DapoTrainer {faults['trainer']}"
+    )
+    assert faults["default"] > 10_000  # 32 steps x ~1,200 pages of logits each, at least
+    assert faults["trainer"] < faults["default"] / 20
 
 
 # ---------- 3. one generate call per batch = one per prompt ----------

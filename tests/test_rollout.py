@@ -3,6 +3,8 @@ per rollout; one prompt pass per group; packed training passes; micro-batches ba
 
 import copy
 import functools
+import os
+import sys
 
 import torch
 
@@ -10,8 +12,11 @@ from distributed import World
 from conftest import as_micro_batch, make_batch, scripted_sampler, token_ids
 from kernels import generate_sharing_prompts
 from packing import balanced_micro_batches, pack_sequences
-from train import loss_normaliser
+from train import GROUP_KEYS, loss_normaliser
 from transformers import TopKLogitsWarper
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from seed_paths import use_seed_paths  # noqa: E402
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -66,6 +71,24 @@ def test_one_call_per_rollout_fills_the_buffer_like_one_call_per_batch(make_trai
     assert (state_n.epoch, state_n.update_steps) == (state_1.epoch, state_1.update_steps) == (2, len(rollouts_1))
     assert set(calls_1) == {2} and sum(calls_n) == sum(calls_1) == 2 * 32  # every prompt, once per epoch
     assert calls_n[0] == 4 and len(calls_n) < len(calls_1)  # a rollout's 4 prompts in one call, then what is missing
+
+
+def test_a_group_sampled_with_others_keeps_its_own_width(make_trainer):
+    """A sampling call pads every group to the call's longest prompt and response; each kept group is cut back to
+    its own, so its tensors are those of the group sampled alone (the seed's call per prompt), and a micro-batch
+    of short groups is not as wide as the rollout's longest response."""
+    trainer = make_trainer(reward_funcs=[varied], max_generate_length=12)
+    eos, g = trainer.tokenizer.convert_tokens_to_ids("<|im_end|>"), torch.Generator().manual_seed(5)
+    rows = [torch.randint(20, 100, (n - 1,), generator=g).tolist() + [eos] for n in (1, 3, 2, 3, 9, 5, 12, 7)]
+    batch = make_batch(trainer, 2, varied=True)  # two prompt lengths
+    scripted_sampler(trainer, rows)
+    together = trainer.generate_experiences(batch)
+    assert [mask.size(1) for mask in together["action_mask"]] == [3, 12]  # the call was 12 wide for both
+    for i in range(2):
+        scripted_sampler(trainer, rows[4 * i : 4 * i + 4])
+        alone = trainer.generate_experiences({key: value[i : i + 1] for key, value in batch.items()})
+        for key in GROUP_KEYS:
+            assert torch.equal(together[key][i], alone[key][0]), key
 
 
 # ---------- 3. packed (padding-free) training passes ----------
@@ -193,7 +216,11 @@ def test_balanced_micro_batches_by_hand():
 
 
 def test_make_micro_batches_balances_real_tokens_with_the_same_normaliser(make_trainer):
+    """padding_free: groups balanced by real tokens (verl). Padded passes keep the seed's consecutive groups: each
+    costs its widest group, and balancing pairs the longest with the shortest (measured: 26% more computed
+    tokens, benchmarks/bench.py --lengths 20:300:group)."""
     settings = dict(batch_size=2, gradient_accumulation_steps=2, max_generate_length=90, loss_agg_mode="token-mean")
+    settings["padding_free"] = True
     trainer = make_trainer(reward_funcs=[varied], **settings)
     eos = trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")
     experiences = []
@@ -209,6 +236,14 @@ def test_make_micro_batches_balances_real_tokens_with_the_same_normaliser(make_t
     assert response_tokens == [4 * (90 + 1), 4 * (60 + 30)]  # groups [0, 2] and [1, 3]; in order: 600 and 124
     assert [int(m["attention_mask"].sum()) for m in micro_batches] == [real[0] + real[2], real[1] + real[3]]
     assert sum(loss_normaliser(m["action_mask"], "token-mean", 4) for m in micro_batches) == 4 * 181  # the step's
+    in_order = [4 * (90 + 60), 4 * (1 + 30)]  # consecutive groups [0, 1] and [2, 3], as the seed has them
+    trainer.args.padding_free = False
+    padded = trainer.make_micro_batches(groups)
+    assert [int(m["action_mask"].sum()) for m in padded] == in_order
+    assert [m["action_mask"].size(1) for m in padded] == [90, 30]  # balanced, both would be 90 wide
+    trainer.args.padding_free = True
+    use_seed_paths(trainer, "arrival_order")  # the benchmark's seed path
+    assert [int(m["action_mask"].sum()) for m in trainer.make_micro_batches(groups)] == in_order
 
 
 def test_rounds_to_sample_and_generation_batch_size():
