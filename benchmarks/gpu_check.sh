@@ -2,8 +2,9 @@
 # One GPU check of train.py at Qwen2.5-1.5B's shape, with nothing downloaded: a random model of that shape
 # (bench.py's qwen2.5-1.5b, the real 151,936-id vocabulary), a few optimizer steps with use_vllm off and
 # on, side by side; prints s/step, sampled tokens/s and peak memory against a 48 GB card; then one vLLM call of
-# 64 prompts x G 16 and the sampler/learner gap's percentiles. ~7 minutes on one H100/H200-class GPU (vLLM's
-# start-ups and torch.compile included); the two parts stop themselves at 9.5 and 5 minutes.
+# 64 prompts x G 16 and the sampler/learner gap's percentiles; then padded against padding_free training
+# passes on responses of real lengths. ~9 minutes on one H100/H200-class GPU (vLLM's start-ups and
+# torch.compile included); the three parts stop themselves at 9.5, 5 and 4 minutes.
 #
 #   bash benchmarks/gpu_check.sh            # on a CUDA machine
 #   bash benchmarks/gpu_check.sh --cpu      # no GPU: the same plumbing, small shape, 16 tokens (~3 min on 2 cores)
@@ -112,6 +113,18 @@ print(f"  |policy - vLLM| log-prob over {len(ranked)} tokens ({dtype}): mean {me
       f" p95 {percentile(ranked, 0.95):.2e}, max {ranked[-1]:.2e}; the guard (threshold {threshold}): "
       f"{'WOULD STOP THE RUN' if mean > threshold else 'ok'}")
 EOF
+
+# padding_free on responses of real lengths (EOS forced at 20-300 tokens), 4 prompts x G 4 per micro-batch: the
+# padded passes against the packed ones (with token balancing). train.py keeps padding_free off until a GPU run
+# shows that it pays off there (docs/performance.md: on CPU it does).
+echo "gpu_check: padded against padding_free training passes, responses of real lengths"
+if [[ $mode == cuda ]]; then
+    packed=(--shape qwen2.5-1.5b --device cuda --steps 2 --max_generate_length 300 --lengths 20:300:group)
+else
+    packed=(--shape small --device cpu --steps 1 --max_generate_length 16 --lengths 4:16:group --warmup_tokens 8)
+fi
+timeout 240 "$PYTHON" benchmarks/bench.py --no_loss_check --batch_size 4 --configs "default (train.py),+padding_free" \
+    "${packed[@]}" || echo "gpu_check: the padding_free comparison did not finish in 240 s"
 
 BUDGET_GB="$BUDGET_GB" "$PYTHON" - "$JSON" <<'EOF'
 import json, os, sys

@@ -320,12 +320,14 @@ model = transformers.Qwen2ForCausalLM(config).eval()
 tokenizer = transformers.AutoTokenizer.from_pretrained(sys.argv[1])
 prompts = torch.randint(0, 100, (8, 16))
 
-def faults_of_a_generate_call():  # the second of two equal calls: the first grows the heap it will reuse
-    for _ in range(2):
+def faults_of_a_generate_call():  # the fewest of 3 equal calls after one that grows the heap they will reuse
+    faults = []
+    for _ in range(4):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=32,
                        min_new_tokens=32, do_sample=True, top_k=50)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return min(faults[1:])
 
 default = faults_of_a_generate_call()
 args = DapoArguments(device="cpu", output_dir=sys.argv[2])
@@ -338,8 +340,9 @@ print(json.dumps(dict(default=default, trainer=faults_of_a_generate_call())))
 def test_a_cpu_trainer_reuses_freed_memory_without_page_faults(world, tmp_path):
     """kernels.reuse_freed_memory, which a CPU DapoTrainer calls: each decode step's [8, 151936] logits and their
     sampling temporaries (~5 MB each) are reused from the heap instead of being unmapped and faulted in again.
-    Page faults of generating 32 tokens for 8 rows, in a fresh process, before and after a trainer is built
-    (measured: 14,126 and 8)."""
+    Page faults of generating 32 tokens for 8 rows in a fresh process, before and after a trainer is built: the
+    fewest of 3 calls after a warm-up call (measured: 14,123-27,945 and 7-8; a single call after the trainer's
+    first can still grow the heap: 1,483 once in CI)."""
     model_dir, _ = world
     script = FAULTS_PROBE.format(root=ROOT)
     proc = subprocess.run(
