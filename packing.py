@@ -96,6 +96,15 @@ def consecutive_micro_batches(num_groups, batch_size):
     return [list(range(first, min(first + batch_size, num_groups))) for first in range(0, num_groups, batch_size)]
 
 
+def micro_batch_groups(tokens, batch_size, num_steps, balance):
+    """The rollout's groups (tokens: each one's real token count) as micro-batches of group indices: balanced by
+    tokens (balance, for packed passes) or the seed's consecutive groups. A padded pass costs its widest group,
+    and balancing pairs long groups with short ones: 26% more computed tokens measured (docs/performance.md)."""
+    if balance:
+        return balanced_micro_batches(tokens, batch_size, num_steps)
+    return consecutive_micro_batches(len(tokens), batch_size)
+
+
 def balanced_micro_batches(tokens, batch_size, num_steps):
     """The rollout's groups (tokens: each one's real token count) as micro-batches of group indices, so that the
     micro-batches of each optimizer step hold about the same number of tokens (verl's sequence-length balancing).

@@ -35,8 +35,8 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from kernels import generate_sharing_prompts, reuse_freed_memory, sampling_processors, selective_log_softmax
-from packing import balanced_micro_batches, consecutive_micro_batches, join_batches, pack_sequences, pad_and_cat
-from packing import pad_and_cat_groups, padded_sequences, trim_group, unpack
+from packing import join_batches, micro_batch_groups, pack_sequences, pad_and_cat, pad_and_cat_groups
+from packing import padded_sequences, trim_group, unpack
 from cli import check_arguments, check_before_loading, check_eval_only, hold_output_dir, load_split, parse_cli
 from cli import run_settings
 from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume, save_checkpoint
@@ -496,10 +496,11 @@ class DapoTrainer:
         sampler_log_probs, self.sampler_log_probs = self.sampler_log_probs, None  # [B*G, T] from vLLM, once
         groups = [slice(g * G, (g + 1) * G) for g in range(len(prompts))]
         samples = []
-        for g, prompt, answer in zip(groups, prompts, answers):
-            ids, masks = (prompt_response_ids[g], response_ids[g]), (attention_mask[g], action_mask[g])
-            sampler = None if sampler_log_probs is None else sampler_log_probs[g]
-            samples.append(Samples(*ids, prompt, answer, *masks, response_ids.size(1), action_mask[g].sum(-1), sampler))
+        for g, prompt, answer in zip(groups, prompts, answers):  # each as wide as its own prompts and responses
+            at, T = trim_group(attention_mask[g], response_ids.size(1))  # columns; the seed's call per prompt
+            ids, masks = (prompt_response_ids[g, at], response_ids[g, :T]), (attention_mask[g, at], action_mask[g, :T])
+            sampler = None if sampler_log_probs is None else sampler_log_probs[g, :T]
+            samples.append(Samples(*ids, prompt, answer, *masks, T, action_mask[g].sum(-1), sampler))
         return samples
 
     # ---- 4.2 rewards, advantages, dynamic sampling ----
@@ -518,7 +519,7 @@ class DapoTrainer:
         sampling_time, start = time.perf_counter() - start, time.perf_counter()
         prompts = [s.prompt for s in samples_list for _ in range(G)]
         answers = [s.answer for s in samples_list for _ in range(G)]
-        response_ids = torch.cat([s.response_ids for s in samples_list])  # [B*G, T]
+        response_ids = pad_and_cat([s.response_ids for s in samples_list], self.tokenizer.pad_token_id)  # [B*G, T]
         responses = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         lengths = torch.cat([s.response_length for s in samples_list])  # [B*G]
         truncated = is_truncated(response_ids, lengths, self.eos_token_ids)  # [B*G]
@@ -543,12 +544,11 @@ class DapoTrainer:
             samples, action_mask = samples_list[g], samples_list[g].action_mask  # [G, T]
             if args.overlong_filter:  # a response cut off by the length budget says nothing about its answer
                 action_mask = action_mask * ~truncated.view(-1, G)[g].unsqueeze(1)
-            columns, T = trim_group(samples.attention_mask, samples.num_actions)  # this group's own width
-            group = (samples.prompt_response_ids[:, columns], samples.attention_mask[:, columns], action_mask[:, :T])
-            for key, value in zip(GROUP_KEYS, (*group, advantages[g])):
+            group = (samples.prompt_response_ids, samples.attention_mask, action_mask, advantages[g])
+            for key, value in zip(GROUP_KEYS, group):
                 experiences[key].append(value)
             if samples.sampler_log_probs is not None:
-                experiences.setdefault("sampler_log_probs", []).append(samples.sampler_log_probs[:, :T])
+                experiences.setdefault("sampler_log_probs", []).append(samples.sampler_log_probs)
         reward_std = rewards.std(dim=1)  # [B]
         metrics |= {"time/sampling": [sampling_time], "time/reward": [time.perf_counter() - start]}
         metrics |= dict(reward=rewards.flatten().tolist(), reward_std=reward_std.tolist())
@@ -560,18 +560,13 @@ class DapoTrainer:
 
     @torch.no_grad()
     def make_micro_batches(self, groups):
-        """The rollout: groups (dict of lists) as micro-batches of batch_size groups (padding_free: balanced by tokens
-        within each optimizer step), each padded to its own longest prompt and response, with pi_old's and pi_ref's
-        log-probs taken once, on the tensors training will see."""
+        """The rollout's groups (dict of lists) as micro-batches of batch_size groups, each padded to its longest, with
+        pi_old's and pi_ref's log-probs taken once, on the tensors training will see (packed: balanced by tokens)."""
         args, pad = self.args, self.tokenizer.pad_token_id
         reused = args.num_iterations > 1 or args.steps_per_generation > 1  # else pi_old = pi_theta: ratio 1
         tokens = [int(mask.sum()) for mask in groups["attention_mask"]]  # each group's real tokens
-        if args.padding_free:  # verl's balancing: packed passes of about equal real tokens
-            parts = balanced_micro_batches(tokens, args.batch_size, args.steps_per_generation)
-        else:  # a padded pass costs its widest group; balancing would pair long groups with short ones
-            parts = consecutive_micro_batches(len(tokens), args.batch_size)
         micro_batches = []
-        for members in parts:
+        for members in micro_batch_groups(tokens, args.batch_size, args.steps_per_generation, args.padding_free):
             inputs = pad_and_cat_groups({key: [values[g] for g in members] for key, values in groups.items()}, pad)
             model_inputs, ref = self.model_inputs(inputs), self.ref_model
             inputs["old_action_log_probs"] = self.get_action_log_probs(self.model, *model_inputs) if reused else None

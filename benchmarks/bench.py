@@ -165,6 +165,26 @@ def peak_rss_bytes():
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
+def start_peak_memory(cuda):
+    """Start measuring the peak (CUDA: max_memory_allocated; CPU: peak RSS) from now; returns the level now."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    reset_peak_rss()
+    return rss_bytes()
+
+
+def peak_memory(cuda):
+    import torch
+
+    return torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
+
+
 def make_trainer(opts, world, output_dir, name, model=None):
     """A DapoTrainer on the random model with `name`'s seed paths and overrides; no evaluation."""
     from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
@@ -270,7 +290,6 @@ def synchronize(device):
 
 # ---------- worker 1: time and memory of one configuration ----------
 def run_config(opts, world, name):
-    import gc
 
     import torch
 
@@ -287,13 +306,7 @@ def run_config(opts, world, name):
 
         def start_measuring():
             set_response_budget(opts.max_generate_length)
-            gc.collect()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-                base[0] = torch.cuda.memory_allocated()
-            else:
-                reset_peak_rss()
-                base[0] = rss_bytes()
+            base[0] = start_peak_memory(cuda)
 
         def timed_log_step(metrics):
             log_step(metrics)
@@ -338,7 +351,7 @@ def run_config(opts, world, name):
         result = {key: sum(r.get(key, 0.0) for r in measured) / len(measured) for key in keys}
         result["bench/max_pass_tokens"] = max(r["bench/max_pass_tokens"] for r in measured)
         result["widths"] = sorted({tuple(w) for r in measured for w in r["bench/widths"]})
-        result["peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
+        result["peak_bytes"] = peak_memory(cuda)
         result["peak_delta_bytes"] = result["peak_bytes"] - base[0]
         result["build_seconds"] = build_seconds
         gaps = [r["vllm/logprob_diff_max"] for r in measured if "vllm/logprob_diff_max" in r]
@@ -358,7 +371,6 @@ def run_trl(opts, world, name):
     batch_size x gradient_accumulation_steps groups of num_generations, all sampled in one generate call (TRL's
     way); with --lengths the same forced EOS. Timed from optimizer step to optimizer step; "sampling" is
     generate's time and "training" the rest of the step (TRL has no finer clock). Same result keys as run_config."""
-    import gc
 
     import torch
     from datasets import Dataset
@@ -449,13 +461,7 @@ def run_trl(opts, world, name):
                 if state.global_step > opts.warmup:
                     walls.append(dict(wall=now - marks["last"], sampling=clock["sampling"], sampled=clock["sampled"]))
                 if state.global_step == opts.warmup:  # measure from here, as run_config does
-                    gc.collect()
-                    if cuda:
-                        torch.cuda.reset_peak_memory_stats()
-                        marks["base"] = torch.cuda.memory_allocated()
-                    else:
-                        reset_peak_rss()
-                        marks["base"] = rss_bytes()
+                    marks["base"] = start_peak_memory(cuda)
                 clock.update(sampling=0.0, sampled=0)
                 marks["last"] = time.perf_counter()
 
@@ -475,7 +481,7 @@ def run_trl(opts, world, name):
             trainer.train()
     n = len(walls)
     wall, sampling = sum(w["wall"] for w in walls) / n, sum(w["sampling"] for w in walls) / n
-    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
+    peak = peak_memory(cuda)
     return {
         "bench/wall": wall,
         "time/sampling": sampling,

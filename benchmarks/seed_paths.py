@@ -36,42 +36,31 @@ SEED_PATHS += ("one_call_per_batch", "repeated_prefill", "arrival_order", "freed
 
 
 def pad_to_max(trainer):
-    import train
-
     encode_prompts, generate_samples = trainer.encode_prompts, trainer.generate_samples
     pad, P, T = trainer.tokenizer.pad_token_id, trainer.args.max_prompt_length, trainer.args.max_generate_length
 
-    def encode_to_max(prompts):
+    def encode_to_max(prompts):  # generate sees prompts padded to the full budget, as in the seed
         ids, mask = encode_prompts(prompts)  # [B, longest]
         return F.pad(ids, (P - ids.size(1), 0), value=pad), F.pad(mask, (P - mask.size(1), 0))
 
-    def samples_to_max(inputs):  # responses end where generate stopped; pad them to the full budget
+    def samples_to_max(inputs):  # each group comes back as wide as itself; pad it to the full budget
         out = []
         for s in generate_samples(inputs):
-            right = T - s.num_actions
+            left, right = P - (s.prompt_response_ids.size(1) - s.num_actions), T - s.num_actions
             out.append(
                 dataclasses.replace(
                     s,
-                    prompt_response_ids=F.pad(s.prompt_response_ids, (0, right), value=pad),
+                    prompt_response_ids=F.pad(s.prompt_response_ids, (left, right), value=pad),
                     response_ids=F.pad(s.response_ids, (0, right), value=pad),
-                    attention_mask=F.pad(s.attention_mask, (0, right)),
+                    attention_mask=F.pad(s.attention_mask, (left, right)),
                     action_mask=F.pad(s.action_mask, (0, right)),
                     num_actions=T,
+                    sampler_log_probs=None if s.sampler_log_probs is None else F.pad(s.sampler_log_probs, (0, right)),
                 )
             )
         return out
 
-    generate_experiences = trainer.generate_experiences
-
-    def untrimmed_experiences(inputs):  # generate_experiences' own code, keeping every group at the full budget
-        trim, train.trim_group = train.trim_group, lambda attention_mask, num_actions: (slice(None), num_actions)
-        try:
-            return generate_experiences(inputs)
-        finally:
-            train.trim_group = trim
-
     trainer.encode_prompts, trainer.generate_samples = encode_to_max, samples_to_max
-    trainer.generate_experiences = untrimmed_experiences
 
 
 def per_prompt_generate(trainer):
@@ -150,17 +139,15 @@ def repeated_prefill(trainer):
 def arrival_order(trainer):
     import train
 
-    def in_arrival_order(tokens, batch_size, num_steps):
-        return train.consecutive_micro_batches(len(tokens), batch_size)
-
     make_micro_batches = trainer.make_micro_batches
 
-    def unbalanced(groups):  # train.make_micro_batches' own code, with the seed's grouping
-        balanced, train.balanced_micro_batches = train.balanced_micro_batches, in_arrival_order
+    def unbalanced(groups):  # train.make_micro_batches' own code, with the seed's consecutive groups
+        grouping = train.micro_batch_groups
+        train.micro_batch_groups = lambda tokens, batch_size, steps, balance: grouping(tokens, batch_size, steps, False)
         try:
             return make_micro_batches(groups)
         finally:
-            train.balanced_micro_batches = balanced
+            train.micro_batch_groups = grouping
 
     trainer.make_micro_batches = unbalanced
 

@@ -267,4 +267,4 @@ def test_max_generation_rows_splits_a_call_into_whole_groups(make_trainer):
     samples = trainer.generate_samples(make_batch(trainer, 2))
     assert calls == [4, 4]
     assert [s.response_length.tolist() for s in samples] == [[1, 2, 3, 3], [6, 6, 6, 6]]  # each call's own budget
-    assert samples[0].response_ids.shape == (4, 6) and (samples[0].response_ids[:, 3:] == pad).all()
+    assert [s.response_ids.shape for s in samples] == [(4, 3), (4, 6)]  # each group as wide as itself

@@ -30,21 +30,22 @@ def test_groups_left_padding_and_eos_in_action_mask(make_trainer):
     assert len(samples) == 2 and all(isinstance(s, Samples) for s in samples)
     first, second = samples
     assert first.prompt == batch["prompt"][0] and int(first.answer) == int(batch["answer"][0])
-    assert first.response_ids.shape == (2, 4) and first.num_actions == 4
-    assert first.action_mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]  # first EOS included, nothing after
+    # Each group as wide as its own longest response, as if sampled alone: 3 and 4 of the call's 4 columns.
+    assert first.response_ids.shape == (2, 3) and (first.num_actions, second.num_actions) == (3, 4)
+    assert first.action_mask.tolist() == [[1, 1, 1], [1, 0, 0]]  # first EOS included, nothing after
     assert second.action_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]  # cut at the budget: all tokens count
     assert first.response_length.tolist() == [3, 1]
-    assert first.response_ids[0, 3] == pad  # after EOS: padding
+    assert (first.response_ids[1, 1:] == pad).all()  # after EOS: padding
     # Left padding: every prompt ends in the same column, so responses start together.
     lengths = [len(token_ids(tok, tok.apply_chat_template([{"role": "system", "content": "x"}], tokenize=False)))]
-    prompt_width = first.prompt_response_ids.size(1) - 4
     for s in samples:
+        prompt_width = s.prompt_response_ids.size(1) - s.num_actions
         prompt_mask = s.attention_mask[:, :prompt_width]
         assert (prompt_mask[:, -1] == 1).all()  # the last prompt column is real for every row
         n_real = int(prompt_mask[0].sum())
         assert prompt_mask[0].tolist() == [0] * (prompt_width - n_real) + [1] * n_real
     assert lengths  # the template renders
-    assert torch.equal(first.attention_mask[:, prompt_width:], first.action_mask)
+    assert torch.equal(first.attention_mask[:, -first.num_actions :], first.action_mask)
 
 
 def test_attention_mask_when_pad_is_eos(make_trainer):
