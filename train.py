@@ -43,7 +43,7 @@ from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, res
 from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
 from reward_func import example_records, load_reward_models, reward_column, reward_func_name
 from curves import plot_curves, redraw_curves
-from evaluation import accuracy_summary, evaluate_model, logged_metrics, run_eval
+from evaluation import evaluate_model, logged_metrics, run_eval, run_summary
 from trackers import make_tracker, step_record
 import distributed
 
@@ -887,14 +887,11 @@ def main(argv=None):
         except KeyboardInterrupt:  # train() saved a checkpoint and said how to resume
             sys.exit(130)
         trainer.save_model()
-    if world.is_main and not cli.demo:  # the demo's summary has it too
-        print(accuracy_summary(args.output_dir))
-    if cli.demo and world.is_main:
-        from tiny_world import demo_summary
-
-        print(demo_summary(trainer.history, args.output_dir))
+    if world.is_main:
+        print(run_summary(args.output_dir, trainer.history if cli.demo else None))
     return trainer
 
 
 if __name__ == "__main__":
     main()
+    distributed.end_of_run()  # --fsdp: the process ends here, without the interpreter's shutdown (it can abort)

@@ -151,7 +151,10 @@ def test_train_py_with_fsdp_saves_resumes_and_writes_a_loadable_model(world, tmp
     resume to step 4; the final model loads in one process."""
     out = str(tmp_path / "run")
     extra = ["--fsdp=true", "--beta=0.04", "--eval_samples=3", "--eval_batch_size=1", "--eval_steps=2"]
-    train_py(world, out, *extra, "--max_steps=2", "--save_steps=2")
+    done = train_py(world, out, *extra, "--max_steps=2", "--save_steps=2")
+    # Both ranks end in distributed.end_of_run (os._exit, no interpreter shutdown): exit 0, rank 0's summary last.
+    last_line = done.stdout.splitlines()[-1]
+    assert last_line.startswith("held-out accuracy (strict / lenient)  step 0 ") and "->  step 2 " in last_line
     at_2 = AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint_2")).state_dict()
     final_2 = AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert all(torch.equal(at_2[k], final_2[k]) for k in at_2)
