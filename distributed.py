@@ -61,14 +61,15 @@ def setup(device="cpu"):
 
 
 def end_of_run():
-    """`python train.py` and torchrun end here once main() has returned. A process that used FSDP ends with
-    os._exit(0), its process group destroyed, skipping the interpreter's shutdown: importing
-    torch.distributed.fsdp keeps the group referenced past destroy_process_group, so its gloo worker threads
-    are never joined, and one that drops a finished collective's tensor during the shutdown needs the GIL and
-    aborts the process ("terminate called without an active exception"; 2 of 111 runs of a 2-process --fsdp
-    training on a loaded 2-core machine, after everything was written; 0 of 210 since). All the run writes is
-    closed by then; stdout and stderr are flushed."""
-    if dist.is_initialized() and "torch.distributed.fsdp" in sys.modules:
+    """`python train.py` ends here once main() has returned. A process of a multi-process run ends with
+    os._exit(0), its process group destroyed, without the interpreter's shutdown. Under --fsdp the sharded model
+    holds the group and outlives even `del` and gc.collect() (torch's FSDP state keeps it), so
+    destroy_process_group cannot join gloo's worker threads, and a worker that drops a finished collective's
+    tensor during the shutdown needs the GIL and aborts the process ("terminate called without an active
+    exception": 2 of 111 runs of a 2-process --fsdp training on a loaded 2-core machine, after everything was
+    written; 0 of 210 since). All the run writes is closed by then; stdout and stderr are flushed. One process
+    (vLLM's own group of 1 included) goes through the usual shutdown."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -894,4 +894,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    distributed.end_of_run()  # --fsdp: the process ends here, without the interpreter's shutdown (it can abort)
+    distributed.end_of_run()  # under torchrun: the process ends here, without the interpreter's shutdown

@@ -152,17 +152,21 @@ def arrival_order(trainer):
     trainer.make_micro_batches = unbalanced
 
 
+def leave_heap_policy():
+    return False
+
+
 def keep_glibc_heap_policy():
     """Before a trainer is built: it will leave glibc's heap policy as it is (train.py calls reuse_freed_memory)."""
     import train
 
-    train.reuse_freed_memory = lambda: False
+    train.reuse_freed_memory = leave_heap_policy
 
 
 def freed_memory_to_kernel(trainer):
     import train
 
-    if train.reuse_freed_memory.__name__ != "<lambda>":  # mallopt's change cannot be undone exactly
+    if train.reuse_freed_memory is not leave_heap_policy:  # mallopt's change cannot be undone exactly
         raise RuntimeError(
             "freed_memory_to_kernel: call seed_paths.keep_glibc_heap_policy() before building the trainer"
         )

@@ -171,6 +171,19 @@ def test_train_py_with_fsdp_saves_resumes_and_writes_a_loadable_model(world, tmp
     assert any(not torch.equal(final[k], at_2[k]) for k in final)  # steps 3 and 4 trained
 
 
+def test_end_of_run_leaves_a_group_of_one_to_the_usual_shutdown(tmp_path):
+    """vLLM starts a process group of 1 in the trainer's process (and transformers imports torch's FSDP): after
+    main(), end_of_run returns and the interpreter shuts down as usual, atexit handlers included."""
+    script = (
+        "import atexit, torch.distributed as dist, torch.distributed.fsdp, distributed\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
+        "atexit.register(print, 'shutdown ran')\n"
+        "distributed.end_of_run()\n"
+        "print('returned')\n"
+    )
+    assert run(["-c", script]).stdout == "returned\nshutdown ran\n"
+
+
 def test_fsdp_refuses_one_process_and_vllm(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="torchrun --nproc_per_node=N train.py --fsdp=true"):
