@@ -2,13 +2,15 @@
 
 The convention for README commands: the line right before every ```bash block says who runs it or what it needs:
     <!-- run by: .ci/run -->                   each command is a line of .ci/run
-    <!-- run by: tests/test_x.py[::name] -->   the test (file or function) calls train.py's main with each --flag
+    <!-- run by: tests/test_x.py[::name] -->   the test (file or function) calls train.py's main with each --flag,
+                                               or dry-runs `make TARGET` and checks what it runs
     <!-- needs: GPU | weights | internet ... -->   not run here: a GPU, the downloaded weights, or the internet
 """
 
 import ast
 import os
 import re
+import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEEDS = ("GPU", "weights", "internet")
@@ -89,6 +91,8 @@ def runs(source, command):
     """Whether a test's source runs `python train.py ...` with each of the command's --flags (main([...]) or a
     subprocess of train.py)."""
     words = command.split()
+    if words[:1] == ["make"]:  # the test dry-runs the target (make -n TARGET) and checks its recipe
+        return '"make", "-n"' in source and all(f'"{target}"' in source for target in words[1:])
     if words[:2] != ["python", "train.py"] or ("main(" not in source and '"train.py"' not in source):
         return False
     flags = [word.split("=")[0] for word in words[2:] if word.startswith("--")]
@@ -137,6 +141,28 @@ def test_every_readme_command_is_run_by_ci_or_a_test_or_says_what_it_needs():
     blocks = shell_blocks(read("README.md"))
     assert any(MARKER.match(before).group(1) == "run by" for before, _ in blocks)  # the two quick-start blocks
     assert unaccounted_commands(read("README.md"), ci_lines) == []
+
+
+def test_make_demo_runs_the_demo_and_make_test_the_suite(tmp_path):
+    """The Quick start's two commands: each installs into .venv, then runs the demo / the suite (dry run:
+    `make -n` prints the recipes without running them; a recursive make inherits -n)."""
+    env = dict(os.environ, VENV=str(tmp_path / "venv"))  # a venv that does not exist: every install step shows
+    demo = subprocess.run(["make", "-n", "demo"], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    test = subprocess.run(["make", "-n", "test"], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    venv_python = str(tmp_path / "venv" / "bin" / "python")
+    assert f"-m venv {tmp_path / 'venv'}" in demo.stdout and f"-m venv {tmp_path / 'venv'}" in test.stdout
+    assert f"{venv_python} -m pip install -r requirements.txt" in demo.stdout
+    assert demo.stdout.strip().splitlines()[-1] == f"{venv_python} train.py --demo"
+    for extra in (
+        "requirements-dev.txt",
+        "requirements-vllm-cpu.txt",
+        "requirements-lora.txt",
+        "requirements-math.txt",
+    ):
+        assert f"-r {extra}" in test.stdout  # every optional extra, so that no test skips
+    assert "torch==2.13.0+cpu" in test.stdout  # the suite runs on the CPU torch
+    assert test.stdout.strip().splitlines()[-1] == f"{venv_python} -m pytest"
+    assert "make test" in read(".ci/run").splitlines()
 
 
 def test_the_checks_catch_a_broken_link_and_an_unaccounted_command():
