@@ -1,7 +1,8 @@
 """DAPO: Decoupled Clip and Dynamic Sampling Policy Optimization, in one file.
 
 RL fine-tuning of a chat LLM on grade-school math (GSM8K, Chinese), after the DAPO paper
-(ByteDance Seed / Tsinghua AIR, arXiv 2503.14476) and the annotated seed notes in shared/seed/.
+(ByteDance Seed / Tsinghua AIR, arXiv 2503.14476) and the annotated DAPO notes this project reimplements (the
+"seed"; docs/differences-from-seed.md lists where it deviates).
 Read it top to bottom:
 
     1. data            GSM8KDataset, Samples (one group)
@@ -37,8 +38,8 @@ from transformers import GenerationConfig
 from kernels import generate_sharing_prompts, reuse_freed_memory, sampling_processors, selective_log_softmax
 from packing import join_batches, micro_batch_groups, pack_sequences, pad_and_cat, pad_and_cat_groups
 from packing import padded_sequences, trim_group, unpack
-from cli import check_arguments, check_before_loading, check_eval_only, hold_output_dir, load_split, parse_cli
-from cli import run_settings
+from cli import check_arguments, check_before_loading, check_eval_only, load_split, parse_cli, run_settings
+from run_dir import claim_output_dir, hold_output_dir
 from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume, save_checkpoint
 from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
 from reward_func import example_records, load_reward_models, reward_column, reward_func_name
@@ -863,7 +864,7 @@ def main(argv=None):
     if cli.plot:
         return print(f"wrote {plot_curves(cli.plot)}")
     try:  # the command line over a checkpoint's settings over the demo's, under the preset
-        overrides, checkpoint, demo_warm_up = run_settings(cli, given, DapoArguments.output_dir)
+        overrides, checkpoint = run_settings(cli, given, DapoArguments.output_dir)
         args = build_args(cli.preset, overrides)
     except ValueError as error:
         sys.exit(f"error: {error}")
@@ -873,9 +874,14 @@ def main(argv=None):
     with hold_output_dir(args.output_dir, cli.take_over_lock, world.is_main):  # rank 0 holds it for the run
         if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
             return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
-        if world.is_main:  # a fresh demo first builds its world in a folder of its own: tiny_world.demo_world
-            demo = (SYSTEM_PROMPT, demo_warm_up) if cli.demo and checkpoint is None else None
-            check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run=checkpoint is None, demo=demo)
+        if world.is_main and cli.demo and checkpoint is None:  # a fresh demo builds its world in its own folder
+            from tiny_world import demo_world
+
+            args.model_path, args.data_path = demo_world(args.output_dir, SYSTEM_PROMPT, args.overwrite_output_dir)
+        if world.is_main:
+            check_before_loading(args, len(SEED_REWARD_FUNCS))
+            if checkpoint is None:  # a fresh run: an earlier run's logs and checkpoints go, or the run is refused
+                claim_output_dir(args.output_dir, args.overwrite_output_dir)
         args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
         try:
             trainer = build_trainer(args)
