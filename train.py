@@ -40,13 +40,14 @@ from packing import join_batches, micro_batch_groups, pack_sequences, pad_and_ca
 from packing import padded_sequences, trim_group, unpack
 from cli import check_arguments, check_before_loading, check_eval_only, load_split, parse_cli, run_settings
 from run_dir import claim_output_dir, hold_output_dir
-from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume, save_checkpoint
+from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume_run, save_run_checkpoint
 from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
 from reward_func import example_records, load_reward_models, reward_column, reward_func_name
 from curves import plot_curves, redraw_curves
 from evaluation import evaluate_model, logged_metrics, run_eval, run_summary
 from trackers import make_tracker, step_record
 import distributed
+from distributed import rollout_share
 
 SYSTEM_PROMPT = """
 按照如下格式回答问题：
@@ -324,7 +325,7 @@ class LoopState:
     epoch: int = 0  # current pass over the training prompts
     batches_done: int = 0  # prompt batches consumed in this epoch
     rounds: int = 0  # sampling rounds since the last rollout was complete
-    skipped_groups: int = 0  # groups dropped by dynamic sampling, whole run
+    skipped_groups: int = 0  # groups this process dropped by dynamic sampling, whole run (logged: over all)
     truncated_prompts: int = 0  # prompts longer than max_prompt_length (cut from the left), whole run
     buffer: dict = field(default_factory=lambda: {key: [] for key in GROUP_KEYS})  # valid groups not yet trained
     rollout: Optional[list] = None  # the micro-batches being trained on
@@ -379,7 +380,10 @@ class DapoTrainer:
         if args.beta != 0.0:  # frozen and only run under autocast: bf16 weights are enough there
             ref_dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
             self.ref_model = deepcopy(self.model).to(ref_dtype).eval().requires_grad_(False)
-        self.world.apply_fsdp(args.fsdp, self.model, self.ref_model)  # --fsdp: shard both over the ranks
+        if args.fsdp:  # shard the policy and the reference model over the ranks
+            from fsdp import FsdpWorld
+
+            self.world = FsdpWorld.shard(self.world, self.model, self.ref_model)
         self.tokenizer = self.get_tokenizer(load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer)
         eos_ids = self.model.generation_config.eos_token_id  # every id that ends a response
         eos_ids = [] if eos_ids is None else [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
@@ -407,7 +411,7 @@ class DapoTrainer:
             pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.model.generation_config.bos_token_id,
         )  # fmt: skip
 
-        self.vllm, self.sampler_log_probs = None, None  # use_vllm: vLLM samples in this process; the policy learns
+        self.vllm = None  # use_vllm: vLLM samples in this process; the policy learns
         if args.use_vllm:
             from vllm_sampler import VllmSampler
 
@@ -419,6 +423,7 @@ class DapoTrainer:
         self.history = []  # one metrics dict per optimizer step (also written to metrics.jsonl)
         self.last_accuracy, self.eval_record = math.nan, {}  # the last evaluation: strict accuracy, every metric
         self.tracker = make_tracker("none", args.output_dir, None)  # report_to's, from train() on
+        self.global_steps, self.empty_rounds, self.progress = 0, 0, None  # train()'s bound, warning count, bar
 
     update_steps = property(lambda self: self.state.update_steps)  # the seed's name for optimizer steps taken
 
@@ -452,29 +457,31 @@ class DapoTrainer:
 
     @torch.no_grad()
     def sample(self, input_ids, attention_mask):
-        """One generate call with this trainer's sampling settings. Returns [N, P+T'], T' <= max_generate_length."""
+        """One generate call with this trainer's sampling settings. Returns what it drew: ids [N, P+T'], T' <=
+        max_generate_length, and vLLM's log-probs of the drawn tokens [N, T'] (None without vLLM)."""
         if self.vllm is not None:
             return self.sample_with_vllm(input_ids, attention_mask)
         saved_config, self.model.generation_config = self.model.generation_config, self.generation_config
         try:
             with self.autocast(), self.world.unsharded(self.model):  # --fsdp: gathered for the whole call
-                return generate_sharing_prompts(  # the G copies of a prompt share its prompt pass
+                ids = generate_sharing_prompts(  # the G copies of a prompt share its prompt pass
                     self.model, input_ids, attention_mask, generation_config=self.generation_config,
                     logits_processor=self.logits_processor, synced_gpus=False,  # unsharded: no per-token sync
                 )  # fmt: skip
+                return ids, None
         finally:
             self.model.generation_config = saved_config
 
     def sample_with_vllm(self, input_ids, attention_mask):
-        """sample() through vLLM, with the policy's current weights; vLLM's log-probs of the drawn tokens are
-        kept in self.sampler_log_probs [N, T'] for the sampler/learner gap (and its correction)."""
+        """sample() through vLLM, with the policy's current weights; vLLM's log-probs of the drawn tokens [N, T']
+        measure the sampler/learner gap (and correct it)."""
         if self.vllm_step != self.state.update_steps:  # the policy stepped since vLLM last saw it
             self.vllm.load_weights(self.model)
             self.vllm_step = self.state.update_steps
         a, pad = self.args, self.tokenizer.pad_token_id
         sampling = (pad, a.temperature, a.top_p, a.top_k, a.max_generate_length, self.eos_token_ids)
-        response_ids, self.sampler_log_probs = self.vllm.sample(input_ids, attention_mask, *sampling)
-        return torch.cat([input_ids, response_ids], dim=1)
+        response_ids, log_probs = self.vllm.sample(input_ids, attention_mask, *sampling)
+        return torch.cat([input_ids, response_ids], dim=1), log_probs
 
     def generate_samples(self, inputs):
         """num_generations responses to each prompt of the batch, in one generate call (or one per
@@ -486,7 +493,8 @@ class DapoTrainer:
         prompt_ids, prompt_mask = self.encode_prompts(prompts)  # [B, P]
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
         rows = len(prompt_ids) if self.vllm else max(1, self.args.max_generation_rows // G) * G
-        calls = [self.sample(*x)[:, prompt_ids.size(1) :] for x in zip(prompt_ids.split(rows), prompt_mask.split(rows))]
+        drawn = [self.sample(*x) for x in zip(prompt_ids.split(rows), prompt_mask.split(rows))]  # [(ids, log-probs)]
+        calls = [ids[:, prompt_ids.size(1) :] for ids, _ in drawn]
         masks = [response_mask(ids, self.eos_token_ids, ids.size(1)) for ids in calls]  # each call's own budget
         action_mask = pad_and_cat(masks, 0)  # [B*G, T]
         response_ids = pad_and_cat(calls, pad).masked_fill(action_mask == 0, pad)  # [B*G, T]
@@ -494,14 +502,16 @@ class DapoTrainer:
         # From the masks, not from `!= pad_token_id`: a pad token that is also the EOS (SmolLM, Llama) would
         # otherwise hide the chat template's own end-of-turn tokens.
         attention_mask = torch.cat([prompt_mask, action_mask], dim=1)  # [B*G, P+T]
-        sampler_log_probs, self.sampler_log_probs = self.sampler_log_probs, None  # [B*G, T] from vLLM, once
+        sampler_log_probs = drawn[0][1]  # [B*G, T]: vLLM's, in one call; None without vLLM
         groups = [slice(g * G, (g + 1) * G) for g in range(len(prompts))]
         samples = []
         for g, prompt, answer in zip(groups, prompts, answers):  # each as wide as its own prompts and responses
             at, T = trim_group(attention_mask[g], response_ids.size(1))  # columns; the seed's call per prompt
-            ids, masks = (prompt_response_ids[g, at], response_ids[g, :T]), (attention_mask[g, at], action_mask[g, :T])
+            group = dict(prompt_response_ids=prompt_response_ids[g, at], attention_mask=attention_mask[g, at])
+            group |= dict(response_ids=response_ids[g, :T], action_mask=action_mask[g, :T], num_actions=T)
             sampler = None if sampler_log_probs is None else sampler_log_probs[g, :T]
-            samples.append(Samples(*ids, prompt, answer, *masks, T, action_mask[g].sum(-1), sampler))
+            group |= dict(response_length=action_mask[g].sum(-1), sampler_log_probs=sampler)
+            samples.append(Samples(prompt=prompt, answer=answer, **group))
         return samples
 
     # ---- 4.2 rewards, advantages, dynamic sampling ----
@@ -654,18 +664,25 @@ class DapoTrainer:
         if not self.resumed:  # a resumed run evaluated before its checkpoint
             self.evaluate_and_log()
         start_steps, self.empty_rounds = state.update_steps, 0
+        calls = self.prompt_batches()  # this epoch's sampling calls
         metrics = defaultdict(list)  # what this optimizer step gathered
         bar = dict(total=self.global_steps, initial=state.update_steps, desc="DAPO", unit="step", dynamic_ncols=True)
         bar = tqdm(**bar, disable=not self.world.is_main)
         with bar as self.progress, deferred_interrupts(self), contextlib.closing(self.tracker):
-            batches = self.prompt_batches()
             while state.update_steps < self.global_steps:
                 if state.rollout is None:
                     # 1. Sample G responses per prompt, score them, drop the groups without signal (dynamic
                     #    sampling), and buffer the rest until the rollout's groups are there.
-                    call = next(batches, None)  # the prompt batches the rollout still needs, sampled at once
-                    if call is None:
-                        break
+                    call = next(calls, None)  # the prompt batches the rollout still needs, sampled at once
+                    if (
+                        call is None
+                    ):  # the epoch's end: the seed's buffer lives for one epoch, a partial step is dropped
+                        state.epoch, state.batches_done, state.rounds = state.epoch + 1, 0, 0
+                        state.buffer = {key: [] for key in GROUP_KEYS}
+                        if state.epoch >= args.epoch:
+                            break
+                        calls = self.prompt_batches()
+                        continue
                     experiences = self.generate_experiences(join_batches(call))
                     for key, values in experiences.pop("metrics").items():
                         metrics[key] += values
@@ -673,7 +690,10 @@ class DapoTrainer:
                         state.buffer.setdefault(key, []).extend(values)
                     state.rounds += len(call)
                     self.empty_rounds = 0 if experiences["advantages"] else self.empty_rounds + len(call)
-                    take = self.world.rollout_size(state, groups_per_rollout)  # a collective decision across ranks
+                    held = self.world.gather(
+                        len(state.buffer["advantages"])
+                    )  # every rank's count; [held] in one process
+                    take = rollout_share(held, groups_per_rollout, self.world.rank)  # None: not enough groups yet
                     if take is None:
                         self.check_rounds()
                         continue
@@ -681,8 +701,9 @@ class DapoTrainer:
                     start = time.perf_counter()
                     rollout = {key: values[:take] for key, values in state.buffer.items()}
                     state.buffer = {key: values[take:] for key, values in state.buffer.items()}
-                    rollout = self.world.equal_micro_batches(self.make_micro_batches, rollout, args.batch_size)
-                    state.rollout, state.updates_done = rollout, 0
+                    pads = self.world.placeholder_groups(-(-take // args.batch_size))  # --fsdp: as many on every rank
+                    state.rollout = [m for groups in (rollout, *pads) for m in self.make_micro_batches(groups)]
+                    state.updates_done = 0
                     metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)
                     metrics["num_gen_batches"].append(state.rounds)
                     state.rounds = 0
@@ -719,36 +740,33 @@ class DapoTrainer:
                 self.log_step(metrics)
                 metrics = defaultdict(list)
                 if state.update_steps % args.save_steps == 0 or self.stop_requested:
-                    path = self.world.save_checkpoint(self, save_checkpoint)
+                    path = save_run_checkpoint(self)
                 if self.stop_requested:
                     tqdm.write(f"stopped; continue with: {distributed.launcher(state.world_size)} --resume={path}")
                     raise KeyboardInterrupt
         if state.update_steps == start_steps:  # every group was skipped, to the end of the data
             raise NoTrainingStep(f"the data ran out before one optimizer step: {starvation_advice(args)}")
         if state.update_steps < self.global_steps:
-            bound = f"{self.global_steps} was an upper bound; dynamic sampling skipped {state.skipped_groups} groups"
+            skipped = self.world.sum(state.skipped_groups)
+            bound = f"{self.global_steps} was an upper bound; dynamic sampling skipped {skipped} groups"
             tqdm.write(f"the data ran out after {state.update_steps} steps: {bound}")
 
     def prompt_batches(self):
-        """Sampling calls, each the prompt batches the rollout still needs (World.rounds_to_sample), in a seeded
-        order per epoch (a resumed run skips the batches it had consumed) and never past an epoch's end: the
-        seed's buffer lives for one epoch, a partial step is dropped."""
+        """This epoch's sampling calls, each the prompt batches the rollout still needs (World.rounds_to_sample), in
+        the epoch's seeded order (a resumed run skips the batches it had consumed)."""
         args, state = self.args, self.state
         per_rank = args.batch_size * args.gradient_accumulation_steps * args.steps_per_generation
-        while state.epoch < args.epoch:
-            order = torch.Generator().manual_seed(args.seed + state.epoch)
-            loader = DataLoader(self.train_dataset, batch_size=args.batch_size, shuffle=True, generator=order)
-            batches = list(self.world.shard(loader))[state.batches_done :]  # batches rank, rank + N, ...
-            while batches:
-                held, sizes = len(state.buffer["advantages"]), (args.batch_size, args.generation_batch_size)
-                count = self.world.rounds_to_sample(held, per_rank, *sizes)  # collective under torchrun
-                if args.max_num_gen_batches:  # the rounds check_rounds allows, no more
-                    count = min(count, args.max_num_gen_batches - state.rounds)
-                call, batches = batches[:count], batches[count:]
-                state.batches_done += len(call)
-                yield call
-            state.epoch, state.batches_done, state.rounds = state.epoch + 1, 0, 0
-            state.buffer = {key: [] for key in GROUP_KEYS}
+        order = torch.Generator().manual_seed(args.seed + state.epoch)
+        loader = DataLoader(self.train_dataset, batch_size=args.batch_size, shuffle=True, generator=order)
+        batches = list(self.world.shard(loader))[state.batches_done :]  # batches rank, rank + N, ...
+        while batches:
+            held, sizes = len(state.buffer["advantages"]), (args.batch_size, args.generation_batch_size)
+            count = self.world.rounds_to_sample(held, per_rank, *sizes)  # collective under torchrun
+            if args.max_num_gen_batches:  # the rounds check_rounds allows, no more
+                count = min(count, args.max_num_gen_batches - state.rounds)
+            call, batches = batches[:count], batches[count:]
+            state.batches_done += len(call)
+            yield call
 
     def check_rounds(self):
         """Dynamic sampling that keeps too few groups: warn after EMPTY_ROUNDS_WARNING rounds in a row that
@@ -773,7 +791,9 @@ class DapoTrainer:
 
     def log_step(self, metrics):
         """This optimizer step's record: to metrics.jsonl, the tracker and the progress bar."""
-        record = step_record(self.state.update_steps, metrics) | {"skipped_groups": self.state.skipped_groups}
+        record = step_record(self.state.update_steps, metrics) | {
+            "skipped_groups": self.world.sum(self.state.skipped_groups)
+        }
         record |= self.eval_record if self.state.update_steps % self.args.eval_steps == 0 else {}  # evaluated now
         record["truncated_prompts"] = self.world.sum(self.state.truncated_prompts)  # every rank's, whole run
         if self.args.device.startswith("cuda"):
@@ -809,7 +829,7 @@ class DapoTrainer:
         each hit max_generate_length without an EOS, k rows per prompt."""
         input_ids, attention_mask = (x.repeat_interleave(k, dim=0) for x in self.encode_prompts(prompts))  # [B*k, P]
         # Responses start right after the padded prompt, at the same column for every row.
-        response_ids = self.sample(input_ids, attention_mask)[:, input_ids.size(1) :]  # [B*k, T]
+        response_ids = self.sample(input_ids, attention_mask)[0][:, input_ids.size(1) :]  # [B*k, T]
         lengths = response_mask(response_ids, self.eos_token_ids, response_ids.size(1)).sum(dim=1)  # [B*k]
         truncated = is_truncated(response_ids, lengths, self.eos_token_ids).tolist()
         return self.tokenizer.batch_decode(response_ids, skip_special_tokens=True), lengths.tolist(), truncated
@@ -886,7 +906,7 @@ def main(argv=None):
         try:
             trainer = build_trainer(args)
             if checkpoint:
-                trainer.world.resume(trainer, checkpoint, resume)  # the trainer's World: it holds the sync state
+                resume_run(trainer, checkpoint)
             trainer.train()
         except (ValueError, NoTrainingStep) as error:  # a refused resume, a run that never stepped
             sys.exit(f"error: {error}")

@@ -512,7 +512,7 @@ def run_loss_check(opts, world, names):
         model, batch = trainer.model, next(trainer.prompt_batches())[0]  # one micro-batch's prompts
         recorded, sample = [], trainer.sample
         trainer.sample = lambda ids, mask: (
-            recorded.append(sample(ids, mask)[:, ids.size(1) :]) or torch.cat([ids, recorded[-1]], 1)
+            recorded.append(sample(ids, mask)[0][:, ids.size(1) :]) or (torch.cat([ids, recorded[-1]], 1), None)
         )
         trainer.generate_experiences(batch)
         responses = recorded[0]  # [B*G, T]
@@ -529,7 +529,7 @@ def run_loss_check(opts, world, names):
 
             def replay(ids, mask):
                 rows = torch.cat([queue.pop(0) for _ in range(ids.size(0))]).to(ids.device)
-                return torch.cat([ids, rows], dim=1)
+                return torch.cat([ids, rows], dim=1), None
 
             t.sample = replay
             groups = t.generate_experiences(batch)

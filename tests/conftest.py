@@ -95,7 +95,7 @@ def scripted_sampler(trainer, responses):
     def sample(input_ids, attention_mask):
         width = max(len(r) for r in responses)
         rows = [r + [pad] * (width - len(r)) for r in responses]
-        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1), None
 
     trainer.sample = sample
 

@@ -44,7 +44,7 @@ def replay(trainer, responses):
     """Replace generation by fixed response ids [N, T] (the same tokens whatever the prompt padding)."""
 
     def sample(input_ids, attention_mask):
-        return torch.cat([input_ids, responses.to(input_ids.device)], dim=1)
+        return torch.cat([input_ids, responses.to(input_ids.device)], dim=1), None
 
     trainer.sample = sample
 
@@ -55,7 +55,7 @@ def record_samples(trainer):
 
     def sample(input_ids, attention_mask):
         out = original(input_ids, attention_mask)
-        seen.append(out[:, input_ids.size(1) :].clone())
+        seen.append(out[0][:, input_ids.size(1) :].clone())
         return out
 
     trainer.sample = sample
@@ -423,7 +423,7 @@ def test_batch_generation_same_samples_as_one_call_per_prompt(make_trainer, pad_
             for ids, mask in zip(input_ids, attention_mask):
                 index = prompt_tokens.index(tuple(ids[mask.bool()].tolist()))  # which prompt this row belongs to
                 rows.append(responses[index * G + len(rows) % G])
-            return torch.cat([input_ids, torch.stack(rows)], dim=1)
+            return torch.cat([input_ids, torch.stack(rows)], dim=1), None
 
         trainer.sample = sample
 

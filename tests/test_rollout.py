@@ -34,7 +34,7 @@ def run_recording_rollouts(trainer, one_call_per_batch):
     tail = token_ids(trainer.tokenizer, "<answer>\n")
 
     def sample(input_ids, attention_mask):  # the same response for every copy of a prompt: the prompt decides
-        return torch.cat([input_ids, torch.tensor(tail + [eos]).expand(len(input_ids), -1)], dim=1)
+        return torch.cat([input_ids, torch.tensor(tail + [eos]).expand(len(input_ids), -1)], dim=1), None
 
     calls, rollouts, generate_samples, make_micro_batches = [], [], trainer.generate_samples, trainer.make_micro_batches
     trainer.sample = sample
@@ -192,7 +192,7 @@ def test_shared_prompt_pass_samples_generates_distribution(make_trainer):
     prompt_ids, prompt_mask = trainer.encode_prompts(make_batch(trainer, 2, varied=True)["prompt"])  # [2, P]
     ids, mask = prompt_ids.repeat_interleave(n, dim=0), prompt_mask.repeat_interleave(n, dim=0)
     torch.manual_seed(0)
-    drawn = trainer.sample(ids, mask)[:, -1].view(2, n)  # [2, n]
+    drawn = trainer.sample(ids, mask)[0][:, -1].view(2, n)  # [2, n]
     with torch.no_grad():
         position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         logits = trainer.model(prompt_ids, attention_mask=prompt_mask, position_ids=position_ids).logits[:, -1]
@@ -261,7 +261,7 @@ def test_max_generation_rows_splits_a_call_into_whole_groups(make_trainer):
     def sample(input_ids, attention_mask):  # call 1 ends every row by EOS within 3 tokens; call 2 runs 6, no EOS
         calls.append(len(input_ids))
         rows = [[eos, pad, pad], [30, eos, pad], [30, 30, eos], [30, 30, eos]] if len(calls) == 1 else [[30] * 6] * 4
-        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1), None
 
     trainer.sample = sample
     samples = trainer.generate_samples(make_batch(trainer, 2))

@@ -297,7 +297,7 @@ def test_evaluate_small_eval_set_and_response_slicing(make_trainer):
         rows = [token_ids(tok, f"<answer>\n{next(answers)}\n</answer>\n") + [tok.eos_token_id] for _ in input_ids]
         width = max(len(r) for r in rows)
         rows = [r + [tok.pad_token_id] * (width - len(r)) for r in rows]
-        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1), None
 
     trainer.sample = sample
     assert len(trainer.eval_dataset) == 8
