@@ -22,20 +22,16 @@ from run_dir import LOCK_FILE
 
 def check_arguments(args):
     """Reject bad DapoArguments up front, before anything loads, naming each field and the fix."""
-    at_least_1 = "gradient_accumulation_steps steps_per_generation num_iterations batch_size epoch save_steps".split()
-    at_least_1 += "max_prompt_length max_generate_length eval_steps eval_batch_size eval_num_generations".split()
-    at_least_1 += ["max_generation_rows"]
-    at_least_0 = "max_steps beta weight_decay warmup_steps max_grad_norm top_k lr max_num_gen_batches".split()
-    at_least_0 += ["eval_samples", "generation_batch_size", "vllm_logprob_diff_threshold"]
-    at_least_0 += "save_total_limit overlong_penalty_factor vllm_importance_sampling_cap".split()
-    errors = [f"{name} must be >= 1" for name in at_least_1 if getattr(args, name) < 1]
-    errors += [f"{name} must be >= 0 (0 = off)" for name in at_least_0 if getattr(args, name) < 0]
+    errors = []
+    for field in dataclasses.fields(args):  # each field's rules, next to it in DapoArguments (arg's metadata)
+        value, least = getattr(args, field.name), field.metadata.get("at_least")
+        if least is not None and value < least:
+            errors.append(f"{field.name} must be >= {least}" + (" (0 = off)" if least == 0 else ""))
+        choices = typing.get_args(field.type) if typing.get_origin(field.type) is typing.Literal else None
+        if choices and value not in choices:  # a Literal[...] field takes one of its values
+            errors.append(f"{field.name} must be one of {choices}")
     values = dataclasses.asdict(args).items()
     errors += [f"{k} must be finite, not {v}" for k, v in values if isinstance(v, float) and not math.isfinite(v)]
-    for field in dataclasses.fields(args):  # Literal[...] fields take one of their values
-        choices = typing.get_args(field.type) if typing.get_origin(field.type) is typing.Literal else None
-        if choices and getattr(args, field.name) not in choices:
-            errors.append(f"{field.name} must be one of {choices}")
     vllm = not args.use_vllm  # True: the use_vllm checks pass
     processes = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
     tracker = args.report_to if args.report_to in ("tensorboard", "wandb", "trackio") else None  # a package

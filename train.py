@@ -42,7 +42,7 @@ from cli import check_arguments, check_before_loading, check_eval_only, load_spl
 from run_dir import claim_output_dir, hold_output_dir
 from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume_run, save_run_checkpoint
 from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
-from reward_func import example_records, load_reward_models, reward_column, reward_func_name
+from reward_func import load_reward_models, reward_column, reward_func_name, reward_weight_tensor
 from curves import plot_curves, redraw_curves
 from evaluation import evaluate_model, logged_metrics, run_eval, run_summary
 from trackers import make_tracker, step_record
@@ -110,9 +110,10 @@ Tracker = Literal["none", "tensorboard", "wandb", "trackio"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]  # importance sampling (TRL)
 
 
-def arg(default, help):
-    """A DapoArguments field whose help text `python train.py --help` prints."""
-    return field(default=default, metadata={"help": help})
+def arg(default, help, at_least=None):
+    """A DapoArguments field whose help text `python train.py --help` prints; at_least: its smallest value. Its
+    rules (at_least, a Literal's choices) are checked by cli.check_arguments."""
+    return field(default=default, metadata={"help": help, "at_least": at_least})
 
 
 @dataclass
@@ -125,45 +126,45 @@ class DapoArguments:
     device: str = arg("cuda" if torch.cuda.is_available() else "cpu", "where the model runs")
     seed: int = arg(42, "seeds torch's RNG (sampling, shuffling, evaluation subsets)")
     # --- optimisation (seed: plain Adam, constant lr) ---
-    lr: float = arg(0.000001, "learning rate (seed and paper: 1e-6); 0 samples and logs without learning")
-    epoch: int = arg(3, "passes over the training prompts")
-    max_steps: int = arg(0, "stop after this many optimizer steps; 0 = run every epoch")
-    gradient_accumulation_steps: int = arg(2, "micro-batches per optimizer step")
-    batch_size: int = arg(1, "prompts per sampling round = valid groups per micro-batch")
-    steps_per_generation: int = arg(1, "optimizer steps per rollout: its groups split into this many steps (TRL)")
-    num_iterations: int = arg(1, "optimizer passes over each rollout (>1: PPO-style reuse)")
-    weight_decay: float = arg(0.0, "> 0 switches Adam to AdamW with this decoupled decay (verl's DAPO script: 0.1)")
-    warmup_steps: int = arg(0, "linear lr warm-up over this many optimizer steps (verl's DAPO script: 10)")
-    max_grad_norm: float = arg(0.0, "clip the gradient norm to this; 0 = no clipping (verl's DAPO script: 1.0)")
+    lr: float = arg(0.000001, "learning rate (seed and paper: 1e-6); 0 samples and logs without learning", at_least=0)
+    epoch: int = arg(3, "passes over the training prompts", at_least=1)
+    max_steps: int = arg(0, "stop after this many optimizer steps; 0 = run every epoch", at_least=0)
+    gradient_accumulation_steps: int = arg(2, "micro-batches per optimizer step", at_least=1)
+    batch_size: int = arg(1, "prompts per sampling round = valid groups per micro-batch", at_least=1)
+    steps_per_generation: int = arg(1, "optimizer steps per rollout: its groups split into this many (TRL)", at_least=1)
+    num_iterations: int = arg(1, "optimizer passes over each rollout (>1: PPO-style reuse)", at_least=1)
+    weight_decay: float = arg(0.0, "> 0: AdamW with this decoupled decay (verl's DAPO script: 0.1)", at_least=0)
+    warmup_steps: int = arg(0, "linear lr warm-up over this many optimizer steps (verl's DAPO script: 10)", at_least=0)
+    max_grad_norm: float = arg(0.0, "clip the gradient norm to this; 0 = off (verl's DAPO script: 1.0)", at_least=0)
     # --- sampling ---
     num_generations: int = arg(4, "G: responses per prompt (group size; paper: 16)")
-    max_prompt_length: int = arg(256, "longer prompts keep their last tokens")
-    max_generate_length: int = arg(128, "max new tokens per response (L_max)")
+    max_prompt_length: int = arg(256, "longer prompts keep their last tokens", at_least=1)
+    max_generate_length: int = arg(128, "max new tokens per response (L_max)", at_least=1)
     temperature: float = arg(0.9, "sampling temperature (seed 0.9; verl's DAPO recipe 1.0)")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 = off")
-    top_k: int = arg(50, "top-k sampling; 0 = off (seed 50; verl's DAPO recipe off)")
+    top_k: int = arg(50, "top-k sampling; 0 = off (seed 50; verl's DAPO recipe off)", at_least=0)
     score_with_temperature: bool = arg(False, "log-probs under logits / temperature, the sampling policy (TRL, verl)")
-    generation_batch_size: int = arg(0, "prompts per sampling call, all ranks; 0 = what the rollout still needs")
-    max_generation_rows: int = arg(256, "at most this many responses per generate call (whole groups): memory")
+    generation_batch_size: int = arg(0, "prompts per sampling call, all ranks; 0 = what the rollout needs", at_least=0)
+    max_generation_rows: int = arg(256, "at most this many responses per generate call (whole groups)", at_least=1)
     # --- rewards and dynamic sampling ---
     reward_weights: Optional[List[float]] = arg(None, "one weight per reward function; None = all 1.0")
     filter_metric: FilterMetric = arg("reward", "skip a group: 'reward' all totals equal (seed), 'correctness' Eq. 11")
-    max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit")
+    max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit", at_least=0)
     overlong_buffer_len: int = arg(0, "L_cache of the soft overlong punishment (Eq. 13); 0 = off")
-    overlong_penalty_factor: float = arg(1.0, "scale of that punishment (-factor at L_max)")
+    overlong_penalty_factor: float = arg(1.0, "scale of that punishment (-factor at L_max)", at_least=0)
     overlong_filter: bool = arg(False, "mask out the loss of responses that hit max_generate_length without EOS")
     # --- loss ---
-    beta: float = arg(0.0, "KL coefficient; 0 = no reference model (saves memory)")
+    beta: float = arg(0.0, "KL coefficient; 0 = no reference model (saves memory)", at_least=0)
     clip_eps_low: float = arg(0.2, "ratio clipped below at 1 - clip_eps_low")
     clip_eps_high: float = arg(0.28, "ratio clipped above at 1 + clip_eps_high (clip-higher)")
     loss_agg_mode: LossAggMode = arg("seed", "'seed' per-group token mean, 'token-mean' Eq. 12, 'seq-mean-token-mean'")
     # --- evaluation, logging, checkpoints ---
-    eval_steps: int = arg(10, "evaluate every this many optimizer steps (and before training)")
-    eval_samples: int = arg(100, "random test problems per evaluation; 0 = the whole split")
-    eval_num_generations: int = arg(1, "k responses per test problem; k > 1 adds pass@k and maj@k (evaluation.py)")
-    eval_batch_size: int = arg(20, "prompts per generate call during evaluation")
-    save_steps: int = arg(100, "write output_dir/checkpoint_N every this many optimizer steps")
-    save_total_limit: int = arg(0, "keep only the newest this many checkpoints; 0 = all (TRL's name)")
+    eval_steps: int = arg(10, "evaluate every this many optimizer steps (and before training)", at_least=1)
+    eval_samples: int = arg(100, "random test problems per evaluation; 0 = the whole split", at_least=0)
+    eval_num_generations: int = arg(1, "k responses per test problem; k > 1 adds pass@k and maj@k", at_least=1)
+    eval_batch_size: int = arg(20, "prompts per generate call during evaluation", at_least=1)
+    save_steps: int = arg(100, "write output_dir/checkpoint_N every this many optimizer steps", at_least=1)
+    save_total_limit: int = arg(0, "keep only the newest this many checkpoints; 0 = all (TRL's name)", at_least=0)
     report_to: Tracker = arg("none", "also log metrics to TensorBoard, Weights & Biases or Trackio")
     # --- speed and memory ---
     bf16: bool = arg(True, "on CUDA, autocast forward passes to bf16 (weights stay float32)")
@@ -174,9 +175,9 @@ class DapoArguments:
     use_vllm: bool = arg(False, "sample with vLLM in this process (pip install -r requirements-vllm.txt; TRL's name)")
     vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (TRL's default)")
     vllm_enable_sleep_mode: bool = arg(False, "on CUDA, vLLM frees its memory between rollouts (TRL's name)")
-    vllm_importance_sampling_cap: float = arg(0.0, "> 0: weight tokens by pi_old / pi_vLLM, capped (TRL, verl: 2)")
+    vllm_importance_sampling_cap: float = arg(0.0, "> 0: weight by pi_old / pi_vLLM, capped (verl: 2)", at_least=0)
     vllm_importance_sampling_mode: ISMode = arg("token_truncate", "w per token or per response; cap: truncate or mask")
-    vllm_logprob_diff_threshold: float = arg(0.1, "stop if mean |log pi_old - log pi_vLLM| per token > this; 0 = off")
+    vllm_logprob_diff_threshold: float = arg(0.1, "stop if mean |log pi_old - log pi_vLLM| > this; 0 = off", at_least=0)
 
     def __post_init__(self):
         self.validate()
@@ -391,11 +392,7 @@ class DapoTrainer:
 
         self.reward_funcs, self.reward_tokenizers = load_reward_models(reward_funcs, reward_tokenizers, args.device)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
-        num_funcs = len(self.reward_funcs)
-        weights = list(args.reward_weights) if args.reward_weights else [1.0] * num_funcs
-        if len(weights) != num_funcs:
-            raise ValueError(f"reward_weights has {len(weights)} entries but there are {num_funcs} reward functions")
-        self.reward_weights = torch.tensor(weights, dtype=torch.float32, device=args.device)  # [F]
+        self.reward_weights = reward_weight_tensor(args.reward_weights, len(self.reward_funcs), args.device)  # [F]
         if args.filter_metric == "correctness" and "correctness_reward" not in self.reward_names:
             raise ValueError('filter_metric="correctness" needs correctness_reward among the reward functions')
 
@@ -674,9 +671,7 @@ class DapoTrainer:
                     # 1. Sample G responses per prompt, score them, drop the groups without signal (dynamic
                     #    sampling), and buffer the rest until the rollout's groups are there.
                     call = next(calls, None)  # the prompt batches the rollout still needs, sampled at once
-                    if (
-                        call is None
-                    ):  # the epoch's end: the seed's buffer lives for one epoch, a partial step is dropped
+                    if call is None:  # the epoch's end: the seed's buffer lives one epoch, a partial step is dropped
                         state.epoch, state.batches_done, state.rounds = state.epoch + 1, 0, 0
                         state.buffer = {key: [] for key in GROUP_KEYS}
                         if state.epoch >= args.epoch:
@@ -690,9 +685,7 @@ class DapoTrainer:
                         state.buffer.setdefault(key, []).extend(values)
                     state.rounds += len(call)
                     self.empty_rounds = 0 if experiences["advantages"] else self.empty_rounds + len(call)
-                    held = self.world.gather(
-                        len(state.buffer["advantages"])
-                    )  # every rank's count; [held] in one process
+                    held = self.world.gather(len(state.buffer["advantages"]))  # every rank's; [held] in one process
                     take = rollout_share(held, groups_per_rollout, self.world.rank)  # None: not enough groups yet
                     if take is None:
                         self.check_rounds()
@@ -841,12 +834,6 @@ class DapoTrainer:
         metrics, _, examples = evaluate_model(self, num_samples, batch_size, num_examples)
         self.eval_record = logged_metrics(metrics)
         return (metrics["accuracy_strict"], examples) if return_examples else metrics["accuracy_strict"]
-
-    def describe_examples(self, batch, responses):
-        """Evaluation examples as samples.jsonl records: prompt, response, answers and each reward."""
-        prompts, answers = list(batch["prompt"]), list(batch["answer"])
-        rewards = self.score_rewards(prompts, responses, answers)  # [N, F]
-        return example_records(prompts, responses, answers, rewards, self.reward_names)
 
     def save_model(self):
         state = self.world.full_model_state(self.model)  # --fsdp: gathered from every rank; else None
