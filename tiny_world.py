@@ -7,7 +7,7 @@ It stands in for the three things the real run downloads:
 - the Qwen2.5-Instruct weights           -> a 2-layer Qwen2 (hidden 64, 2 heads of 32) given a
                                             short supervised warm-up.
 
-The demo's design, so that held-out accuracy is the headline (README, "The demo"):
+The demo's design, so that held-out accuracy is the headline (docs/demo.md):
 - Skill: 50 small facts (a + b, a, b in 1..5, and the same facts read backwards as a - b). The test
   split holds out *phrasings*: a quarter of the (template, name, item) combinations appear only in
   test, so no test question string is in train (make_splits; tested), while every fact is in both.
@@ -384,8 +384,8 @@ def build_tiny_world(
 # The demo: python train.py --demo
 # ============================================================
 DEMO_DIR = os.path.join(".", "output", "demo")
-# With these settings a demo takes ~1.5 min alone on 2 CPU cores, world included, and its held-out
-# accuracy climbs ~0.4 (README, "The demo"); anything given on the command line still wins (e.g.
+# With these settings a demo takes about a minute alone on 2 CPU cores, world included, and its held-out
+# accuracy climbs (the measured run: docs/demo.md); anything given on the command line still wins (e.g.
 # --max_steps=50, --seed=1, --lr=0, or --preset paper --filter_metric=reward).
 DEMO_ARGS = dict(
     model_path=os.path.join(DEMO_DIR, "tiny-qwen2"),
