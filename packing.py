@@ -1,8 +1,13 @@
 """The shapes of a rollout: how sampled groups become the tensors the training passes run on.
 
-join_batches         a sampling call's prompt batches as one batch
-pad_and_cat          right-pad tensors to one width and stack them
-pad_and_cat_groups   a micro-batch's groups, left-padded prompts and right-padded responses
+join_batches              a sampling call's prompt batches as one batch
+pad_and_cat               right-pad tensors to one width and stack them
+trim_group                the columns a group keeps: its own prompt and response widths
+pad_and_cat_groups        a micro-batch's groups, left-padded prompts and right-padded responses
+padded_sequences          the padded rows as the model reads them (padding_free off)
+pack_sequences, unpack    the real tokens alone in one row (padding_free), and back to [N, T]
+micro_batch_groups        which groups form each micro-batch: consecutive_micro_batches (the seed's order)
+                          or balanced_micro_batches (padding_free: balanced by real tokens)
 """
 
 import torch

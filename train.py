@@ -45,7 +45,7 @@ from reward_func import correctness_reward, digit_reward, hard_format_reward, ma
 from reward_func import load_reward_models, reward_column, reward_func_name, reward_weight_tensor
 from curves import plot_curves, redraw_curves
 from evaluation import evaluate_model, logged_metrics, run_eval, run_summary
-from trackers import make_tracker, step_record
+from trackers import loss_diagnostics, make_tracker, step_record
 import distributed
 from distributed import rollout_share
 
@@ -385,7 +385,10 @@ class DapoTrainer:
             from fsdp import FsdpWorld
 
             self.world = FsdpWorld.shard(self.world, self.model, self.ref_model)
-        self.tokenizer = self.get_tokenizer(load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.tokenizer.padding_side = "left"  # prompts end at the same column, responses start there
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
         eos_ids = self.model.generation_config.eos_token_id  # every id that ends a response
         eos_ids = [] if eos_ids is None else [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
         self.eos_token_ids = sorted(set(eos_ids) | {self.tokenizer.eos_token_id})
@@ -423,12 +426,6 @@ class DapoTrainer:
         self.global_steps, self.empty_rounds, self.progress = 0, 0, None  # train()'s bound, warning count, bar
 
     update_steps = property(lambda self: self.state.update_steps)  # the seed's name for optimizer steps taken
-
-    def get_tokenizer(self, tokenizer):
-        tokenizer.padding_side = "left"  # prompts end at the same column, responses start there
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        return tokenizer
 
     def autocast(self):
         """bf16 autocast for forward passes on CUDA; float32 (a no-op context) elsewhere."""
@@ -597,7 +594,7 @@ class DapoTrainer:
         advantages = inputs["advantages"]  # [N]
         eps = (args.clip_eps_low, args.clip_eps_high)
         per_token_loss, ratio = dapo_per_token_loss(log_probs, old_log_probs, advantages, *eps)  # [N, T] each
-        sampler_log_probs, metrics = inputs.get("sampler_log_probs"), {}  # [N, T] (use_vllm)
+        sampler_log_probs, metrics, kl = inputs.get("sampler_log_probs"), {}, None  # [N, T] (use_vllm)
         if sampler_log_probs is not None:  # vLLM drew the tokens, the loss assumes pi_old did: gap, guard, weights
             from vllm_sampler import sampler_correction
 
@@ -609,17 +606,7 @@ class DapoTrainer:
         loss = aggregate_loss(per_token_loss, action_mask, args.loss_agg_mode, args.num_generations, normaliser)
         if not return_metrics:
             return loss
-        mask = action_mask.bool()
-        if mask.any():  # diagnostics over the micro-batch's response tokens (none if all were filtered out)
-            with torch.no_grad():
-                A = advantages.unsqueeze(1).expand_as(ratio)
-                low, high = (ratio < 1 - args.clip_eps_low) & (A < 0), (ratio > 1 + args.clip_eps_high) & (A > 0)
-                metrics["clip_ratio/low_mean"] = low[mask].float().mean().item()
-                metrics["clip_ratio/high_mean"] = high[mask].float().mean().item()
-                metrics["entropy"] = entropy[mask].mean().item()
-                if args.beta != 0.0:
-                    metrics["kl"] = kl[mask].mean().item()
-        return loss, metrics
+        return loss, metrics | loss_diagnostics(ratio, advantages, entropy, kl, action_mask, *eps)
 
     # ---- 4.4 log-probabilities ----
     def get_action_log_probs(self, model, input_ids, attention_mask, num_actions, with_entropy=False):
@@ -881,11 +868,11 @@ def main(argv=None):
     with hold_output_dir(args.output_dir, cli.take_over_lock, world.is_main):  # rank 0 holds it for the run
         if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
             return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
-        if world.is_main and cli.demo and checkpoint is None:  # a fresh demo builds its world in its own folder
-            from tiny_world import demo_world
+        if world.is_main:  # a fresh demo first builds its world in a folder of its own
+            if cli.demo and checkpoint is None:
+                from tiny_world import demo_world
 
-            args.model_path, args.data_path = demo_world(args.output_dir, SYSTEM_PROMPT, args.overwrite_output_dir)
-        if world.is_main:
+                args.model_path, args.data_path = demo_world(args.output_dir, SYSTEM_PROMPT, args.overwrite_output_dir)
             check_before_loading(args, len(SEED_REWARD_FUNCS))
             if checkpoint is None:  # a fresh run: an earlier run's logs and checkpoints go, or the run is refused
                 claim_output_dir(args.output_dir, args.overwrite_output_dir)
