@@ -120,12 +120,24 @@ def column_differences(features, train_features):
     return "; ".join(differ + [f"{c} is only in train" for c in train_features if c not in features])
 
 
+def help_only(arguments_class):
+    """arguments_class with only each field's help in its metadata: HfArgumentParser hands every metadata entry
+    to argparse, and a field's rules beside it (at_least) are check_arguments', not argparse's."""
+    fields = dataclasses.fields(arguments_class)
+    helps = [
+        (f.name, f.type, dataclasses.field(default=f.default, metadata={"help": f.metadata["help"]})) for f in fields
+    ]
+    return dataclasses.make_dataclass(arguments_class.__name__, helps)
+
+
 def parse_cli(arguments_class, argv=None):
     """Returns (namespace with --demo/--preset/--resume/--plot/--take_over_lock, {field: value} of the fields given).
 
     Fields that are not given stay out of the overrides, so that presets and checkpoints can fill them.
     """
-    parser = HfArgumentParser(arguments_class, description="DAPO training on GSM8K (Chinese).", allow_abbrev=False)
+    parser = HfArgumentParser(
+        help_only(arguments_class), description="DAPO training on GSM8K (Chinese).", allow_abbrev=False
+    )
     parser.add_argument("--demo", action="store_true", help="train a tiny built-in world on CPU (no download)")
     parser.add_argument("--preset", choices=["seed", "paper"], default="seed", help="seed's or the paper's settings")
     parser.add_argument("--resume", metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest'")

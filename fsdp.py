@@ -14,6 +14,7 @@ the root. Imported only with --fsdp (DapoTrainer.__init__). What changes from di
 """
 
 import contextlib
+from types import SimpleNamespace
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
@@ -95,7 +96,8 @@ class FsdpWorld(World):
         """Every forward and backward is a collective, so every rank needs as many micro-batches: the ranks with
         fewer get placeholders that weigh nothing (one token of context, no response row: the loss is an empty
         sum and adds no unit to the step's count, while forward and backward still run, all-gathering and
-        reduce-scattering with the others). Collective: call it before any forward, so that the gathers pair up."""
+        reduce-scattering with the others), each a micro-batch of its own. Collective: call it before any forward,
+        so that the gathers pair up."""
         most = max(self.gather(num_micro_batches))
         return [placeholder_group(self.device) for _ in range(most - num_micro_batches)]
 
@@ -141,11 +143,13 @@ def fsdp_modules(model):
 
 
 def placeholder_group(device):
-    """A micro-batch's worth of nothing for placeholder_groups: one row of two tokens (a one-token prompt and
-    one response position) and no response row: the loss broadcasts to an empty [0, 1] tensor."""
-    return {
-        "prompt_response_ids": [torch.zeros(1, 2, dtype=torch.long, device=device)],
-        "attention_mask": [torch.ones(1, 2, dtype=torch.long, device=device)],
-        "action_mask": [torch.zeros(0, 1, dtype=torch.long, device=device)],
-        "advantages": [torch.zeros(0, device=device)],
-    }
+    """A micro-batch's worth of nothing for placeholder_groups, with a group's fields (train.Samples): one row
+    of two tokens (a one-token prompt and one response position) and no response row: the loss broadcasts to
+    an empty [0, 1] tensor."""
+    return SimpleNamespace(
+        prompt_response_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
+        attention_mask=torch.ones(1, 2, dtype=torch.long, device=device),
+        action_mask=torch.zeros(0, 1, dtype=torch.long, device=device),
+        advantages=torch.zeros(0, device=device),
+        sampler_log_probs=None,
+    )

@@ -2,19 +2,16 @@
 
 RL fine-tuning of a chat LLM on grade-school math (GSM8K, Chinese), after the DAPO paper
 (ByteDance Seed / Tsinghua AIR, arXiv 2503.14476) and the annotated DAPO notes this project reimplements (the
-"seed"; docs/differences-from-seed.md lists where it deviates).
-Read it top to bottom:
+"seed"; docs/differences-from-seed.md lists where it deviates). Read it top to bottom:
 
-    1. data            GSM8KDataset, Samples (one group)
+    1. data            GSM8KDataset, Samples (one group), MicroBatch (batch_size groups, padded)
     2. settings        DapoArguments (edit the defaults in place, or `--field=value`), paper_preset
     3. DAPO maths      group_advantages, keep_groups, dapo_per_token_loss, aggregate_loss, ...
     4. the trainer     DapoTrainer.train is Algorithm 1 in one loop: sample groups -> rewards ->
                        advantages -> dynamic-sampling filter -> buffer -> micro-batches ->
                        clip-higher token-level loss, accumulated -> optimizer step -> log / eval / save
     5. entry point     python train.py [--demo] [--preset paper] [--resume=latest] [--field=value ...]
-
-Each optimizer step consumes gradient_accumulation_steps micro-batches of batch_size valid
-groups; a group is num_generations responses to one prompt.
+A step: gradient_accumulation_steps micro-batches of batch_size valid groups of num_generations responses.
 """
 
 import contextlib
@@ -95,10 +92,20 @@ class Samples:
     num_actions: int  # T, the padded response length
     response_length: torch.Tensor  # [G] number of response tokens (EOS included)
     sampler_log_probs: Optional[torch.Tensor] = None  # [G, T] vLLM's log-probs of the drawn tokens (use_vllm)
+    advantages: Optional[torch.Tensor] = None  # [G] Eq. (9), once scored (generate_experiences)
 
 
-# What generate_experiences keeps of each valid group; a micro-batch holds them padded, with pi_old's and pi_ref's.
-GROUP_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "advantages")
+@dataclass
+class MicroBatch:
+    """batch_size valid groups, padded to one width and concatenated: what one micro-step's loss reads."""
+
+    prompt_response_ids: torch.Tensor  # [N, P+T], N = batch_size * G
+    attention_mask: torch.LongTensor  # [N, P+T]
+    action_mask: torch.LongTensor  # [N, T] the loss's tokens (0 for an overlong_filter-ed response)
+    advantages: torch.Tensor  # [N]
+    sampler_log_probs: Optional[torch.Tensor] = None  # [N, T] vLLM's (use_vllm)
+    old_action_log_probs: Optional[torch.Tensor] = None  # [N, T] pi_old's; None: pi_old = pi_theta (ratio 1)
+    ref_action_log_probs: Optional[torch.Tensor] = None  # [N, T] pi_ref's (beta > 0)
 
 
 # ============================================================
@@ -328,20 +335,22 @@ class LoopState:
     rounds: int = 0  # sampling rounds since the last rollout was complete
     skipped_groups: int = 0  # groups this process dropped by dynamic sampling, whole run (logged: over all)
     truncated_prompts: int = 0  # prompts longer than max_prompt_length (cut from the left), whole run
-    buffer: dict = field(default_factory=lambda: {key: [] for key in GROUP_KEYS})  # valid groups not yet trained
-    rollout: Optional[list] = None  # the micro-batches being trained on
+    buffer: list = field(default_factory=list)  # valid groups (Samples) not yet trained
+    rollout: Optional[list] = None  # the MicroBatches being trained on
     updates_done: int = 0  # optimizer steps taken on the rollout
     world_size: int = 1  # processes training together (torchrun); a checkpoint resumes under the same number
 
-    def state_dict(self):
-        return dict(vars(self))
+    def state_dict(self):  # groups and micro-batches as dicts: a checkpoint loads with torch.load(weights_only=True)
+        rollout = None if self.rollout is None else [vars(m) for m in self.rollout]
+        return dict(vars(self), buffer=[vars(group) for group in self.buffer], rollout=rollout)
 
     def load_state_dict(self, state):
         saved, here = state.get("world_size", 1), self.world_size  # resume under as many processes as wrote it
         launch = distributed.launcher(saved)
         if saved != here:
             raise ValueError(f"the checkpoint was written by {saved} process(es), this run has {here}: {launch}")
-        vars(self).update(state)
+        vars(self).update(state, buffer=[Samples(**group) for group in state["buffer"]])
+        self.rollout = None if self.rollout is None else [MicroBatch(**m) for m in self.rollout]
 
 
 class NoTrainingStep(RuntimeError):
@@ -516,8 +525,8 @@ class DapoTrainer:
         return torch.stack([reward_column(*f, prompts, responses, answers, self.args.device) for f in funcs], dim=1)
 
     def generate_experiences(self, inputs):
-        """Sample groups, score them, compute advantages and drop the groups without signal. Returns {key: one
-        tensor per kept group} for GROUP_KEYS (the seed's layout) and "metrics": {name: values} for the step log."""
+        """Sample groups, score them, compute advantages and drop the groups without signal. Returns the kept
+        groups (Samples with their advantages) and {name: values} for the step log."""
         args, G = self.args, self.args.num_generations
         start = time.perf_counter()
         samples_list = self.generate_samples(inputs)
@@ -544,16 +553,12 @@ class DapoTrainer:
         keep = keep_groups(advantages, correct, args.filter_metric)  # [B]
         self.state.skipped_groups += int((~keep).sum())
 
-        experiences = {key: [] for key in GROUP_KEYS}
+        kept = []
         for g in keep.nonzero().flatten().tolist():
-            samples, action_mask = samples_list[g], samples_list[g].action_mask  # [G, T]
+            action_mask = samples_list[g].action_mask  # [G, T]
             if args.overlong_filter:  # a response cut off by the length budget says nothing about its answer
                 action_mask = action_mask * ~truncated.view(-1, G)[g].unsqueeze(1)
-            group = (samples.prompt_response_ids, samples.attention_mask, action_mask, advantages[g])
-            for key, value in zip(GROUP_KEYS, group):
-                experiences[key].append(value)
-            if samples.sampler_log_probs is not None:
-                experiences.setdefault("sampler_log_probs", []).append(samples.sampler_log_probs)
+            kept.append(dataclasses.replace(samples_list[g], action_mask=action_mask, advantages=advantages[g]))
         reward_std = rewards.std(dim=1)  # [B]
         metrics |= {"time/sampling": [sampling_time], "time/reward": [time.perf_counter() - start]}
         metrics |= dict(reward=rewards.flatten().tolist(), reward_std=reward_std.tolist())
@@ -561,47 +566,47 @@ class DapoTrainer:
         metrics["frac_groups_skipped"] = (~keep).float().tolist()
         metrics["completions/length"] = lengths.tolist()
         metrics["completions/clipped_ratio"] = truncated.float().tolist()
-        return experiences | {"metrics": metrics}
+        return kept, metrics
 
     @torch.no_grad()
     def make_micro_batches(self, groups):
-        """The rollout's groups (dict of lists) as micro-batches of batch_size groups, each padded to its longest, with
+        """The rollout's groups (Samples) as MicroBatches of batch_size groups, each padded to its longest, with
         pi_old's and pi_ref's log-probs taken once, on the tensors training will see (packed: balanced by tokens)."""
         args, pad = self.args, self.tokenizer.pad_token_id
         reused = args.num_iterations > 1 or args.steps_per_generation > 1  # else pi_old = pi_theta: ratio 1
-        tokens = [int(mask.sum()) for mask in groups["attention_mask"]]  # each group's real tokens
+        tokens = [int(group.attention_mask.sum()) for group in groups]  # each group's real tokens
         micro_batches = []
         for members in micro_batch_groups(tokens, args.batch_size, args.steps_per_generation, args.padding_free):
-            inputs = pad_and_cat_groups({key: [values[g] for g in members] for key, values in groups.items()}, pad)
+            inputs = MicroBatch(**pad_and_cat_groups([groups[g] for g in members], pad))
             model_inputs, ref = self.model_inputs(inputs), self.ref_model
-            inputs["old_action_log_probs"] = self.get_action_log_probs(self.model, *model_inputs) if reused else None
-            inputs["ref_action_log_probs"] = None if ref is None else self.get_action_log_probs(ref, *model_inputs)
+            inputs.old_action_log_probs = self.get_action_log_probs(self.model, *model_inputs) if reused else None
+            inputs.ref_action_log_probs = None if ref is None else self.get_action_log_probs(ref, *model_inputs)
             micro_batches.append(inputs)
         return micro_batches
 
     @staticmethod
     def model_inputs(inputs):
-        return inputs["prompt_response_ids"], inputs["attention_mask"], inputs["action_mask"].size(1)
+        return inputs.prompt_response_ids, inputs.attention_mask, inputs.action_mask.size(1)
 
     # ---- 4.3 the DAPO loss ----
     def compute_loss(self, model, inputs, normaliser=None, return_metrics=False):
         """DAPO policy-gradient loss of one micro-batch (Eqs. 10 and 12, plus beta * k3 when beta > 0). normaliser:
         the step's loss denominator (aggregate_loss); None = the whole step. return_metrics: also its diagnostics."""
-        args, action_mask = self.args, inputs["action_mask"]  # [N, T]
+        args, action_mask = self.args, inputs.action_mask  # [N, T]
         log_probs, entropy = self.get_action_log_probs(model, *self.model_inputs(inputs), with_entropy=True)
-        old_log_probs = inputs["old_action_log_probs"]
+        old_log_probs = inputs.old_action_log_probs
         old_log_probs = log_probs.detach() if old_log_probs is None else old_log_probs
-        advantages = inputs["advantages"]  # [N]
+        advantages = inputs.advantages  # [N]
         eps = (args.clip_eps_low, args.clip_eps_high)
         per_token_loss, ratio = dapo_per_token_loss(log_probs, old_log_probs, advantages, *eps)  # [N, T] each
-        sampler_log_probs, metrics, kl = inputs.get("sampler_log_probs"), {}, None  # [N, T] (use_vllm)
+        sampler_log_probs, metrics, kl = inputs.sampler_log_probs, {}, None  # [N, T] (use_vllm)
         if sampler_log_probs is not None:  # vLLM drew the tokens, the loss assumes pi_old did: gap, guard, weights
             from vllm_sampler import sampler_correction
 
             weight, metrics = sampler_correction(old_log_probs.detach(), sampler_log_probs, action_mask, args)
             per_token_loss = per_token_loss * weight  # [N, T]; 1 without vllm_importance_sampling_cap
         if args.beta != 0.0:
-            kl = k3_kl(log_probs, inputs["ref_action_log_probs"], action_mask)  # [N, T]
+            kl = k3_kl(log_probs, inputs.ref_action_log_probs, action_mask)  # [N, T]
             per_token_loss = per_token_loss + args.beta * kl
         loss = aggregate_loss(per_token_loss, action_mask, args.loss_agg_mode, args.num_generations, normaliser)
         if not return_metrics:
@@ -630,7 +635,7 @@ class DapoTrainer:
         start = time.perf_counter()
         loss, metrics = self.compute_loss(model, inputs, normaliser, return_metrics=True)
         loss.backward()
-        num_tokens = int(inputs["action_mask"].sum())
+        num_tokens = int(inputs.action_mask.sum())
         return metrics | {"loss": loss.item(), "num_tokens": num_tokens, "time/training": time.perf_counter() - start}
 
     # ---- 4.6 Algorithm 1 ----
@@ -660,29 +665,28 @@ class DapoTrainer:
                     call = next(calls, None)  # the prompt batches the rollout still needs, sampled at once
                     if call is None:  # the epoch's end: the seed's buffer lives one epoch, a partial step is dropped
                         state.epoch, state.batches_done, state.rounds = state.epoch + 1, 0, 0
-                        state.buffer = {key: [] for key in GROUP_KEYS}
+                        state.buffer = []
                         if state.epoch >= args.epoch:
                             break
                         calls = self.prompt_batches()
                         continue
-                    experiences = self.generate_experiences(join_batches(call))
-                    for key, values in experiences.pop("metrics").items():
+                    kept, round_metrics = self.generate_experiences(join_batches(call))
+                    for key, values in round_metrics.items():
                         metrics[key] += values
-                    for key, values in experiences.items():
-                        state.buffer.setdefault(key, []).extend(values)
+                    state.buffer += kept
                     state.rounds += len(call)
-                    self.empty_rounds = 0 if experiences["advantages"] else self.empty_rounds + len(call)
-                    held = self.world.gather(len(state.buffer["advantages"]))  # every rank's; [held] in one process
+                    self.empty_rounds = 0 if kept else self.empty_rounds + len(call)
+                    held = self.world.gather(len(state.buffer))  # every rank's; [held] in one process
                     take = rollout_share(held, groups_per_rollout, self.world.rank)  # None: not enough groups yet
                     if take is None:
                         self.check_rounds()
                         continue
                     # 2. The rollout: micro-batches of batch_size groups, with pi_old's and pi_ref's log-probs.
                     start = time.perf_counter()
-                    rollout = {key: values[:take] for key, values in state.buffer.items()}
-                    state.buffer = {key: values[take:] for key, values in state.buffer.items()}
+                    rollout, state.buffer = state.buffer[:take], state.buffer[take:]
                     pads = self.world.placeholder_groups(-(-take // args.batch_size))  # --fsdp: as many on every rank
-                    state.rollout = [m for groups in (rollout, *pads) for m in self.make_micro_batches(groups)]
+                    state.rollout = self.make_micro_batches(rollout)
+                    state.rollout += [m for p in pads for m in self.make_micro_batches([p])]  # each its own micro-batch
                     state.updates_done = 0
                     metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)
                     metrics["num_gen_batches"].append(state.rounds)
@@ -692,7 +696,7 @@ class DapoTrainer:
                 #    (num_iterations passes over steps_per_generation slices).
                 step_in_rollout = state.updates_done % args.steps_per_generation
                 micro_batches = distributed.step_slice(state.rollout, step_in_rollout, args.steps_per_generation)
-                normaliser = sum(loss_normaliser(m["action_mask"], args.loss_agg_mode, G) for m in micro_batches)
+                normaliser = sum(loss_normaliser(m.action_mask, args.loss_agg_mode, G) for m in micro_batches)
                 normaliser = self.world.sum(normaliser)  # the whole step's units, over every rank
                 self.model.train()
                 for inputs in micro_batches:
@@ -740,7 +744,7 @@ class DapoTrainer:
         loader = DataLoader(self.train_dataset, batch_size=args.batch_size, shuffle=True, generator=order)
         batches = list(self.world.shard(loader))[state.batches_done :]  # batches rank, rank + N, ...
         while batches:
-            held, sizes = len(state.buffer["advantages"]), (args.batch_size, args.generation_batch_size)
+            held, sizes = len(state.buffer), (args.batch_size, args.generation_batch_size)
             count = self.world.rounds_to_sample(held, per_rank, *sizes)  # collective under torchrun
             if args.max_num_gen_batches:  # the rounds check_rounds allows, no more
                 count = min(count, args.max_num_gen_batches - state.rounds)
@@ -757,7 +761,7 @@ class DapoTrainer:
         if args.max_num_gen_batches and state.rounds >= args.max_num_gen_batches:
             needed = args.batch_size * args.gradient_accumulation_steps * args.steps_per_generation
             raise RuntimeError(
-                f"{state.rounds} sampling rounds gave only {len(state.buffer['advantages'])} of {needed} valid "
+                f"{state.rounds} sampling rounds gave only {len(state.buffer)} of {needed} valid "
                 f"groups: {starvation_advice(args)}, or raise max_num_gen_batches (0 = no limit)"
             )
 
@@ -808,8 +812,7 @@ class DapoTrainer:
         """k responses to each prompt, in one sample() call: their texts, token counts (EOS included) and whether
         each hit max_generate_length without an EOS, k rows per prompt."""
         input_ids, attention_mask = (x.repeat_interleave(k, dim=0) for x in self.encode_prompts(prompts))  # [B*k, P]
-        # Responses start right after the padded prompt, at the same column for every row.
-        response_ids = self.sample(input_ids, attention_mask)[0][:, input_ids.size(1) :]  # [B*k, T]
+        response_ids = self.sample(input_ids, attention_mask)[0][:, input_ids.size(1) :]  # [B*k, T]: all start there
         lengths = response_mask(response_ids, self.eos_token_ids, response_ids.size(1)).sum(dim=1)  # [B*k]
         truncated = is_truncated(response_ids, lengths, self.eos_token_ids).tolist()
         return self.tokenizer.batch_decode(response_ids, skip_special_tokens=True), lengths.tolist(), truncated
