@@ -147,7 +147,7 @@ def test_vllm_log_probs_are_of_logits_over_the_temperature(run, monkeypatch):
     raw = trainer.get_action_log_probs(run["initial"], *trainer.model_inputs(first)).detach()
     assert (scored - first.sampler_log_probs)[mask].abs().max() < SYNC_TOLERANCE
     assert (raw - first.sampler_log_probs)[mask].abs().mean() > 10 * SYNC_TOLERANCE
-    print(f"T 0.7: mean |raw - vLLM| {(raw - first['sampler_log_probs'])[mask].abs().mean():.3f}")
+    print(f"T 0.7: mean |raw - vLLM| {(raw - first.sampler_log_probs)[mask].abs().mean():.3f}")
 
 
 # ---------- (b) one weight push per sampling round after a step ----------
