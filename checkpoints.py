@@ -54,7 +54,7 @@ def save_checkpoint(trainer, model_state=None, optimizer_state=None):
     (or a full disk) never leaves a complete-looking half checkpoint. Only then do older checkpoints drop their
     trainer state (keeping weights and tokenizer): one intact resumable checkpoint always exists.
     model_state, optimizer_state: the full states when the trainer's are sharded (--fsdp; see
-    distributed.World.save_checkpoint); None = the model's and optimizer's own.
+    save_run_checkpoint); None = the model's and optimizer's own.
     """
     args, step = trainer.args, trainer.state.update_steps
     final = checkpoint_path(args.output_dir, step)
@@ -144,6 +144,49 @@ def resume(trainer, checkpoint, cut_logs=True):
     trainer.history = read_jsonl(os.path.join(out, LOG_FILES[2]))
     accuracies = read_step_log(os.path.join(out, LOG_FILES[1]))  # the progress bar shows the last one
     trainer.last_accuracy = accuracies[max(accuracies)] if accuracies else float("nan")
+
+
+def save_run_checkpoint(trainer):
+    """save_checkpoint, under any number of processes (trainer.world): rank 0 writes it, with every rank's loop
+    state and RNG in the loop state's "ranks"; --fsdp gathers the full model and optimizer states first (every
+    rank takes part). Returns its path on every rank."""
+    world = trainer.world
+    if world.size == 1:
+        return save_checkpoint(trainer)
+    model_state = world.full_model_state(trainer.model)  # --fsdp: gathered to rank 0; else None (the model's own)
+    optimizer_state = world.full_optimizer_state(trainer.model, trainer.optimizer)
+    cuda_rng = torch.cuda.get_rng_state() if world.device == "cuda" else None
+    everyone = world.gather({"loop": trainer.state.state_dict(), "rng": torch.get_rng_state(), "cuda_rng": cuda_rng})
+    path = None
+    if world.is_main:
+        trainer.state.ranks = everyone
+        try:
+            path = save_checkpoint(trainer, model_state, optimizer_state)
+        finally:
+            del trainer.state.ranks
+    return world.from_rank_0(path)  # also keeps the others from going on before the checkpoint exists
+
+
+def resume_run(trainer, checkpoint):
+    """resume, under any number of processes (trainer.world): every rank loads the checkpoint, then its own loop
+    state and RNG. Rank 0 alone cuts the logs back, first; the others wait for it (under --fsdp they load
+    with it, then wait)."""
+    world = trainer.world
+    if world.size == 1:
+        return resume(trainer, checkpoint)
+    if not world.is_main and not world.fsdp:  # --fsdp: loading the shards is collective, all ranks at once
+        world.from_rank_0(None)
+    try:
+        resume(trainer, checkpoint, cut_logs=world.is_main)
+    finally:
+        if world.is_main or world.fsdp:
+            world.from_rank_0(None)
+    mine = trainer.state.ranks[world.rank]
+    del trainer.state.ranks
+    trainer.state.load_state_dict(mine["loop"])
+    torch.set_rng_state(mine["rng"].cpu())
+    if mine["cuda_rng"] is not None and world.device == "cuda":
+        torch.cuda.set_rng_state(mine["cuda_rng"].cpu())
 
 
 def cut_log(path, keep):

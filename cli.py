@@ -4,14 +4,10 @@ data set's splits and columns, output_dir, reward weights), each failing with on
 its fix."""
 
 import argparse
-import contextlib
 import dataclasses
 import importlib.util
-import json
 import math
 import os
-import shutil
-import socket
 import sys
 import typing
 import warnings
@@ -20,28 +16,22 @@ import datasets
 import torch
 from transformers import HfArgumentParser
 
-from checkpoints import LOG_FILES, checkpoint_arguments, checkpoint_path, find_checkpoint, find_checkpoints
-
-LOCK_FILE = "train.lock"  # in output_dir while a run writes there: {"pid": ..., "host": ...}
-MODEL_FILES = ("model.safetensors", "model.safetensors.index.json")  # a finished run's model in output_dir
+from checkpoints import checkpoint_arguments, checkpoint_path, find_checkpoint, find_checkpoints
+from run_dir import LOCK_FILE
 
 
 def check_arguments(args):
     """Reject bad DapoArguments up front, before anything loads, naming each field and the fix."""
-    at_least_1 = "gradient_accumulation_steps steps_per_generation num_iterations batch_size epoch save_steps".split()
-    at_least_1 += "max_prompt_length max_generate_length eval_steps eval_batch_size eval_num_generations".split()
-    at_least_1 += ["max_generation_rows"]
-    at_least_0 = "max_steps beta weight_decay warmup_steps max_grad_norm top_k lr max_num_gen_batches".split()
-    at_least_0 += ["eval_samples", "generation_batch_size", "vllm_logprob_diff_threshold"]
-    at_least_0 += "save_total_limit overlong_penalty_factor vllm_importance_sampling_cap".split()
-    errors = [f"{name} must be >= 1" for name in at_least_1 if getattr(args, name) < 1]
-    errors += [f"{name} must be >= 0 (0 = off)" for name in at_least_0 if getattr(args, name) < 0]
+    errors = []
+    for field in dataclasses.fields(args):  # each field's rules, next to it in DapoArguments (arg's metadata)
+        value, least = getattr(args, field.name), field.metadata.get("at_least")
+        if least is not None and value < least:
+            errors.append(f"{field.name} must be >= {least}" + (" (0 = off)" if least == 0 else ""))
+        choices = typing.get_args(field.type) if typing.get_origin(field.type) is typing.Literal else None
+        if choices and value not in choices:  # a Literal[...] field takes one of its values
+            errors.append(f"{field.name} must be one of {choices}")
     values = dataclasses.asdict(args).items()
     errors += [f"{k} must be finite, not {v}" for k, v in values if isinstance(v, float) and not math.isfinite(v)]
-    for field in dataclasses.fields(args):  # Literal[...] fields take one of their values
-        choices = typing.get_args(field.type) if typing.get_origin(field.type) is typing.Literal else None
-        if choices and getattr(args, field.name) not in choices:
-            errors.append(f"{field.name} must be one of {choices}")
     vllm = not args.use_vllm  # True: the use_vllm checks pass
     processes = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
     tracker = args.report_to if args.report_to in ("tensorboard", "wandb", "trackio") else None  # a package
@@ -130,12 +120,24 @@ def column_differences(features, train_features):
     return "; ".join(differ + [f"{c} is only in train" for c in train_features if c not in features])
 
 
+def help_only(arguments_class):
+    """arguments_class with only each field's help in its metadata: HfArgumentParser hands every metadata entry
+    to argparse, and a field's rules beside it (at_least) are check_arguments', not argparse's."""
+    fields = dataclasses.fields(arguments_class)
+    helps = [
+        (f.name, f.type, dataclasses.field(default=f.default, metadata={"help": f.metadata["help"]})) for f in fields
+    ]
+    return dataclasses.make_dataclass(arguments_class.__name__, helps)
+
+
 def parse_cli(arguments_class, argv=None):
     """Returns (namespace with --demo/--preset/--resume/--plot/--take_over_lock, {field: value} of the fields given).
 
     Fields that are not given stay out of the overrides, so that presets and checkpoints can fill them.
     """
-    parser = HfArgumentParser(arguments_class, description="DAPO training on GSM8K (Chinese).", allow_abbrev=False)
+    parser = HfArgumentParser(
+        help_only(arguments_class), description="DAPO training on GSM8K (Chinese).", allow_abbrev=False
+    )
     parser.add_argument("--demo", action="store_true", help="train a tiny built-in world on CPU (no download)")
     parser.add_argument("--preset", choices=["seed", "paper"], default="seed", help="seed's or the paper's settings")
     parser.add_argument("--resume", metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest'")
@@ -156,18 +158,18 @@ def parse_cli(arguments_class, argv=None):
 
 
 def run_settings(cli, given, default_output_dir):
-    """(overrides, checkpoint or None, the demo's warm-up steps): what was given on the command line, over
-    the checkpoint's settings (--resume), over the demo's (--demo)."""
-    defaults, warm_up_steps, checkpoint = {}, 0, None
+    """(overrides, checkpoint or None): what was given on the command line, over the checkpoint's settings
+    (--resume), over the demo's (--demo)."""
+    defaults, checkpoint = {}, None
     if cli.demo:
-        from tiny_world import DEMO_ARGS, DEMO_WARM_UP_STEPS  # --preset paper too: the same world and steps
+        from tiny_world import DEMO_ARGS  # --preset paper too: the same world and steps
 
-        defaults, warm_up_steps = dict(DEMO_ARGS), DEMO_WARM_UP_STEPS
+        defaults = dict(DEMO_ARGS)
     if cli.resume:
         output_dir = given.get("output_dir", defaults.get("output_dir", default_output_dir))
         checkpoint = find_checkpoint(cli.resume, output_dir)
         defaults |= checkpoint_arguments(checkpoint)
-    return defaults | given, checkpoint, warm_up_steps
+    return defaults | given, checkpoint
 
 
 def download_help(args):
@@ -183,14 +185,9 @@ def download_help(args):
     )
 
 
-def check_before_loading(args, num_reward_funcs, fresh_run, demo=None):
-    """Exit with one line naming the problem and its fix. Runs in the output_dir this run holds
-    (hold_output_dir); a fresh run (not a resume) then claims it (claim_output_dir). demo: a fresh demo's
-    (system_prompt, warm_up_steps), whose world tiny_world.demo_world builds there first."""
-    if demo:
-        from tiny_world import demo_world
-
-        args.model_path, args.data_path = demo_world(args.output_dir, *demo, args.overwrite_output_dir)
+def check_before_loading(args, num_reward_funcs):
+    """The model and data folders exist and reward_weights fit the reward functions; else exit with one line
+    naming the problem and its fix."""
     if not os.path.exists(args.model_path) or not os.path.isdir(args.data_path):
         sys.exit(
             f"Model folder {args.model_path!r} or data set folder {args.data_path!r} not found.\n" + download_help(args)
@@ -204,114 +201,6 @@ def check_before_loading(args, num_reward_funcs, fresh_run, demo=None):
         sys.exit(
             f"error: reward_weights has {len(args.reward_weights)} entries for {num_reward_funcs} reward functions"
         )
-    if fresh_run:
-        claim_output_dir(args.output_dir, args.overwrite_output_dir)
-
-
-def earlier_run(output_dir):
-    """What an earlier run left in output_dir, in words ('' when nothing): a fresh run there would append to
-    its logs, mix its checkpoints with --resume=latest's choice and overwrite its model."""
-    checkpoints = find_checkpoints(output_dir)
-    if checkpoints:
-        return f"checkpoints of an earlier run (checkpoint_{max(checkpoints)})"
-    found = [name for name in (*LOG_FILES, *MODEL_FILES) if os.path.exists(os.path.join(output_dir, name))]
-    return f"the logs and model of an earlier run ({', '.join(found)})" if found else ""
-
-
-def claim_output_dir(output_dir, may_clear, demo=False):
-    """A fresh run starts in a folder without an earlier run's logs and checkpoints. may_clear
-    (--overwrite_output_dir=true, or the demo in a folder it made) removes them; else exit in one line.
-    The final model stays: this run's replaces it at the end."""
-    found = earlier_run(output_dir)
-    if found and not may_clear:
-        resume = "continue it with --resume=latest, " if found.startswith("checkpoints") else ""
-        mine = " (the demo clears only a folder it made)" if demo else ""
-        sys.exit(
-            f"error: {output_dir!r} holds {found}{mine}: {resume}overwrite it with --overwrite_output_dir=true, "
-            "or start this one in another --output_dir"
-        )
-    for name in [*LOG_FILES, *(f"checkpoint_{step}" for step in find_checkpoints(output_dir))]:
-        path = os.path.join(output_dir, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-
-
-def lock_refusal(output_dir, take_over):
-    """Create output_dir/train.lock exclusively (O_CREAT | O_EXCL) with this process's PID and host.
-    Returns '' when this run holds it, else the one line that refuses the run. A lock whose process no longer
-    runs (same host), or one of another host (whose process this one cannot see), is taken over with
-    --take_over_lock; a lock of a live process never is."""
-    path, host = os.path.join(output_dir, LOCK_FILE), socket.gethostname()
-    for attempt in range(2):  # the second: after taking over a stale lock
-        try:
-            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            holder = lock_holder(path)
-            if holder is None:
-                gone = "names no run (one killed while starting?)"
-            elif holder["host"] != host:
-                gone = f"of PID {holder['pid']} on host {holder['host']}, another machine: if that run has ended"
-            elif not process_runs(holder["pid"]):
-                gone = f"of PID {holder['pid']} on host {host}, which no longer runs (killed?)"
-            else:
-                return (
-                    f"error: output_dir {output_dir!r} is in use by another run (PID {holder['pid']} on host {host}): "
-                    "wait for it to end, or choose another --output_dir"
-                )
-            if not take_over or attempt:
-                return f"error: output_dir {output_dir!r} has the lock {gone}: take it over with --take_over_lock"
-            print(f"taking over {path}, the lock {gone}")
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-            continue
-        with os.fdopen(descriptor, "w", encoding="utf-8") as f:
-            json.dump({"pid": os.getpid(), "host": host}, f)
-        return ""
-
-
-def lock_holder(path):
-    """{"pid", "host"} of a lock file; None when it names none (empty, or a run killed mid-write)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            holder = json.load(f)
-        return holder if isinstance(holder.get("pid"), int) and isinstance(holder.get("host"), str) else None
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def process_runs(pid):
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-@contextlib.contextmanager
-def hold_output_dir(output_dir, take_over=False, enabled=True):
-    """This run holds output_dir (lock_refusal) until the block ends, however it ends: normally, by an error,
-    by Ctrl-C or sys.exit. Refused: exit in one line naming the holder. enabled=False holds nothing (torchrun's
-    ranks but rank 0, which holds the folder for the job)."""
-    if not enabled:
-        yield
-        return
-    try:
-        os.makedirs(output_dir, exist_ok=True)
-        refusal = lock_refusal(output_dir, take_over)
-    except OSError as error:
-        sys.exit(f"error: cannot write to output_dir {output_dir!r} ({error.strerror}): choose another --output_dir")
-    if refusal:
-        sys.exit(refusal)
-    path = os.path.join(output_dir, LOCK_FILE)
-    try:
-        yield
-    finally:
-        if lock_holder(path) == {"pid": os.getpid(), "host": socket.gethostname()}:  # still ours
-            os.remove(path)
 
 
 def eval_model(path, flag):

@@ -19,24 +19,11 @@ How a step is shared (see setup's World for each piece):
   - checkpoints hold every rank's loop state and RNG (gathered to rank 0), and the world size: a resume under
     another world size is refused with a message.
 
---fsdp=true (World.apply_fsdp; models whose training state does not fit one GPU): torch's fully_shard
-(FSDP2) on every decoder layer, then the root, for the policy and the reference model. The rest stays:
-  - gradients are reduce-scattered by FSDP in each backward, summed (divide factor 1, ReduceOp.SUM), so
-    reduce_gradients does nothing; accumulation keeps sharded gradients (reduced every micro-step: the
-    unsynced alternative would hold full gradients until the last one).
-  - every forward and backward is a collective: equal_micro_batches gives every rank as many micro-batches,
-    padding with placeholders that weigh nothing (an empty loss, no unit in the step's count).
-  - generate (a forward per token, ranks stopping at different lengths) runs inside `unsharded`: the whole
-    model gathered once per call, once per evaluation (while_unsharded), resharded after.
-  - checkpoints and the final model: full states gathered to rank 0 (full_model_state,
-    full_optimizer_state) and written as one process writes them; a resume loads them on every rank and
-    keeps each shard (load_model_state, load_optimizer_state).
-Without --fsdp none of this runs, and torch.distributed.fsdp is never imported.
+--fsdp=true shards the model over the ranks: fsdp.py, imported only then.
 """
 
 import atexit
 import contextlib
-import functools
 import os
 import sys
 from collections import defaultdict
@@ -89,6 +76,15 @@ def step_slice(items, index, parts):
     return items[first : first + size + (index < extra)]
 
 
+def rollout_share(counts, per_rank, rank=0):
+    """The step decision, after each sampling round, from every rank's buffered group count (counts, in rank
+    order; [held] in one process): None while together they hold fewer than per_rank * N groups, else how many
+    of its groups this rank trains on. In one process: per_rank once held >= per_rank."""
+    if sum(counts) < per_rank * len(counts):
+        return None
+    return balanced_shares(counts, per_rank * len(counts))[rank]
+
+
 def balanced_shares(counts, total):
     """How many of its buffered groups each rank trains on so that together they take `total`: up to
     total / N each, the rest from the ranks that have more, in rank order."""
@@ -113,11 +109,10 @@ def to_cpu(value):
 class World:
     """Rank `rank` of `size` processes. With size 1 every collective returns its input."""
 
+    fsdp = False  # fsdp.FsdpWorld: parameters, gradients and optimizer states sharded over the ranks
+
     def __init__(self, rank=0, size=1, device="cpu"):
         self.rank, self.size, self.device = rank, size, device
-        self.synced_skips = 0  # state.skipped_groups (over all ranks) at the last sync; set again by resume
-        self.fsdp = False  # set by apply_fsdp
-        self.unsharded_depth = 0  # nested `unsharded` blocks: the outermost gathers and reshards
 
     @property
     def is_main(self):
@@ -165,9 +160,8 @@ class World:
 
     def reduce_gradients(self, model):
         """Sum the step's gradients over ranks (in place; a rank without a micro-batch adds zeros). The losses
-        are already divided by the whole step's unit count, so the sum is the one-process gradient. Under
-        --fsdp, nothing: FSDP reduce-scattered them (summed) in each backward."""
-        if self.size == 1 or self.fsdp:
+        are already divided by the whole step's unit count, so the sum is the one-process gradient."""
+        if self.size == 1:
             return
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
@@ -183,129 +177,28 @@ class World:
                     g.copy_(chunk.view_as(g))
                 bucket = []
 
-    # ---- FSDP (--fsdp) ----
-    def apply_fsdp(self, enabled, *models):
-        """--fsdp: shard each model (None skipped) with torch's fully_shard (FSDP2): every decoder layer, then
-        the root (embeddings, final norm, lm_head). Parameters, gradients and the optimizer's states (made
-        afterwards, over the sharded parameters) then live 1/N on each rank; a module's full parameters
-        exist only around its forward and backward. Gradients are reduce-scattered as a plain SUM (divide
-        factor 1), as reduce_gradients would. Without --fsdp, nothing (and nothing imported)."""
-        if not enabled:
-            return
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(self.device, (self.size,))
-        for model in models:
-            if model is None:
-                continue
-            layers = getattr(getattr(model, "model", None), "layers", None)
-            if layers is None:
-                raise ValueError(f"--fsdp shards decoder layers model.model.layers; {type(model).__name__} has none")
-            for layer in layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            for module in fsdp_modules(model):
-                module.set_gradient_divide_factor(1.0)  # the losses are divided by the step's units already
-                module.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM: no PREMUL_SUM (gloo has none)
-        self.fsdp = True
-
-    @contextlib.contextmanager
+    # ---- what --fsdp changes (fsdp.FsdpWorld); without it, the model is whole on every rank ----
     def unsharded(self, model):
-        """--fsdp: the whole model gathered on every rank for the block, resharded after. generate calls
-        forward once per token and ranks stop at different lengths, so per-forward all-gathers would not
-        pair up across ranks (a hang); one all-gather per block does. Nested blocks gather once."""
-        if not self.fsdp or self.unsharded_depth:
-            self.unsharded_depth += 1
-            try:
-                yield
-            finally:
-                self.unsharded_depth -= 1
-            return
-        modules = fsdp_modules(model)
-        for module in modules:
-            module.set_reshard_after_forward(False, recurse=False)
-            module.unshard()
-        self.unsharded_depth = 1
-        try:
-            yield
-        finally:
-            self.unsharded_depth = 0
-            for module in modules:
-                module.reshard()
-                module.set_reshard_after_forward(module is not model, recurse=False)  # fully_shard's defaults
+        return contextlib.nullcontext()
 
     def while_unsharded(self, model, iterable):
-        """iterable's items, with the model unsharded from before the first to after the last (evaluation:
-        ranks may hold different numbers of batches, even none; each gathers once)."""
-        with self.unsharded(model):
-            yield from iterable
+        return iterable
 
-    def equal_micro_batches(self, make, groups, batch_size):
-        """make(groups): the rollout's micro-batches. Under --fsdp every forward and backward is a collective,
-        so every rank needs as many micro-batches: the ranks with fewer get placeholders that weigh nothing
-        (one token of context, no response row: the loss is an empty sum and adds no unit to the step's
-        count, while forward and backward still run, all-gathering and reduce-scattering with the others)."""
-        if not self.fsdp:
-            return make(groups)
-        mine = -(-len(groups["advantages"]) // batch_size)
-        most = max(self.gather(mine))  # before any forward: the all-gathers must pair up
-        micro_batches = make(groups)
-        for _ in range(most - mine):
-            micro_batches += make(placeholder_group(self.device))
-        return micro_batches
+    def placeholder_groups(self, num_micro_batches):
+        """Groups to make extra micro-batches of, so that every rank runs as many: none without --fsdp."""
+        return []
 
     def full_model_state(self, model):
-        """--fsdp: the full state dict (CPU tensors) on rank 0, {} on the others; collective. Else None (the
-        model's own state_dict is the full one)."""
-        if not self.fsdp:
-            return None
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return None  # the model's own state_dict is the full one
 
     def full_optimizer_state(self, model, optimizer):
-        """--fsdp: the optimizer's full state on rank 0, in optimizer.state_dict()'s own format (parameters
-        numbered in order), so that a checkpoint reads the same with or without FSDP; collective."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        by_name = get_optimizer_state_dict(model, optimizer, options=options)
-        if not self.is_main:
-            return None
-        state, groups, index = {}, [], 0
-        for group in by_name["param_groups"]:
-            numbers = list(range(index, index + len(group["params"])))
-            for number, name in zip(numbers, group["params"]):
-                if name in by_name["state"]:
-                    state[number] = by_name["state"][name]
-            groups.append(group | {"params": numbers})
-            index += len(numbers)
-        return {"state": state, "param_groups": groups}
+        return None  # the optimizer's own state_dict is the full one
 
     def load_model_state(self, model, weights):
-        """model.load_state_dict(weights) with full weights; under --fsdp each rank keeps its shard."""
-        if not self.fsdp:
-            return model.load_state_dict(weights)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+        return model.load_state_dict(weights)
 
     def load_optimizer_state(self, model, optimizer, saved):
-        """optimizer.load_state_dict(saved) with a full, numbered state dict; under --fsdp each rank keeps its
-        shard of it."""
-        if not self.fsdp:
-            return optimizer.load_state_dict(saved)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        names = [name for name, _ in model.named_parameters()]  # the optimizer's order: model.parameters()
-        by_name = {
-            "state": {names[number]: value for number, value in saved["state"].items()},
-            "param_groups": [
-                group | {"params": [names[n] for n in group["params"]]} for group in saved["param_groups"]
-            ],
-        }
-        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+        return optimizer.load_state_dict(saved)
 
     # ---- sampling ----
     def shard(self, batches):
@@ -328,20 +221,6 @@ class World:
         missing = per_rank * self.size - self.sum(held)
         needed = max(1, -(-missing // (batch_size * self.size)))
         return max(needed, -(-generation_batch_size // (batch_size * self.size)))
-
-    def rollout_size(self, state, per_rank):
-        """After a sampling round: None while the ranks together hold fewer than per_rank * N valid groups,
-        else how many of its buffered groups this rank trains on. Collective: every rank decides the same.
-        Also makes state.skipped_groups the count over all ranks."""
-        held = len(state.buffer["advantages"])
-        if self.size == 1:
-            return per_rank if held >= per_rank else None
-        rows = self.gather((held, state.skipped_groups - self.synced_skips))
-        state.skipped_groups = self.synced_skips = self.synced_skips + sum(new for _, new in rows)
-        counts = [count for count, _ in rows]
-        if sum(counts) < per_rank * self.size:
-            return None
-        return balanced_shares(counts, per_rank * self.size)[self.rank]
 
     # ---- logging ----
     def gather_step(self, metrics):
@@ -373,66 +252,3 @@ class World:
         rows = self.gather((records, examples))
         interleave = lambda lists: [x[i] for i in range(max(map(len, lists))) for x in lists if i < len(x)]  # noqa
         return interleave([r for r, _ in rows]), interleave([e for _, e in rows])[:max_examples]
-
-    # ---- checkpoints ----
-    def save_checkpoint(self, trainer, save):
-        """save(trainer) on rank 0 with every rank's loop state and RNG in the loop state's "ranks". Under
-        --fsdp, the full model and optimizer state are gathered first (every rank takes part) and rank 0
-        writes them as one process would."""
-        if self.size == 1:
-            return save(trainer)
-        if self.fsdp:
-            model_state = self.full_model_state(trainer.model)
-            optimizer_state = self.full_optimizer_state(trainer.model, trainer.optimizer)
-            save = functools.partial(save, model_state=model_state, optimizer_state=optimizer_state)
-        cuda_rng = torch.cuda.get_rng_state() if self.device == "cuda" else None
-        mine = {"loop": trainer.state.state_dict(), "rng": torch.get_rng_state(), "cuda_rng": cuda_rng}
-        everyone = self.gather(mine)
-        path = None
-        if self.is_main:
-            trainer.state.ranks = everyone
-            try:
-                path = save(trainer)
-            finally:
-                del trainer.state.ranks
-        return self.from_rank_0(path)  # also keeps the others from going on before the checkpoint exists
-
-    def resume(self, trainer, checkpoint, resume):
-        """Called on trainer.world (its sync counter is what rollout_size reads next).
-        resume(trainer, checkpoint) on every rank, then this rank's own loop state and RNG. Rank 0 alone
-        cuts the logs back, first; the others wait for it (under --fsdp they load with it, then wait)."""
-        assert trainer.world is self, "resume through trainer.world: it holds this rank's sync state"
-        if self.size == 1:
-            return resume(trainer, checkpoint)
-        if not self.is_main and not self.fsdp:  # --fsdp: loading the shards is collective, all ranks at once
-            self.from_rank_0(None)
-        try:
-            resume(trainer, checkpoint, cut_logs=self.is_main)
-        finally:
-            if self.is_main or self.fsdp:
-                self.from_rank_0(None)
-        mine = trainer.state.ranks[self.rank]
-        del trainer.state.ranks
-        trainer.state.load_state_dict(mine["loop"])
-        self.synced_skips = trainer.state.skipped_groups
-        torch.set_rng_state(mine["rng"].cpu())
-        if mine["cuda_rng"] is not None and self.device == "cuda":
-            torch.cuda.set_rng_state(mine["cuda_rng"].cpu())
-
-
-def fsdp_modules(model):
-    """The modules fully_shard wrapped (the root among them), in model.modules() order."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]
-
-
-def placeholder_group(device):
-    """A micro-batch's worth of nothing for equal_micro_batches: one row of two tokens (a one-token prompt and
-    one response position) and no response row: the loss broadcasts to an empty [0, 1] tensor."""
-    return {
-        "prompt_response_ids": [torch.zeros(1, 2, dtype=torch.long, device=device)],
-        "attention_mask": [torch.ones(1, 2, dtype=torch.long, device=device)],
-        "action_mask": [torch.zeros(0, 1, dtype=torch.long, device=device)],
-        "advantages": [torch.zeros(0, device=device)],
-    }

@@ -31,7 +31,8 @@ from torch.utils.data import DataLoader
 from transformers import LogitsProcessorList
 
 from curves import read_accuracies
-from reward_func import STRICT_FORMAT_REGEX, extract_answer, extract_answer_lenient, normalize_answer, parse_number
+from reward_func import STRICT_FORMAT_REGEX, example_records, extract_answer, extract_answer_lenient, normalize_answer
+from reward_func import parse_number
 from reward_func import same_answer
 
 RULES = {"strict": extract_answer, "lenient": extract_answer_lenient}
@@ -112,10 +113,17 @@ def evaluate_model(trainer, num_samples, batch_size, num_examples=0):
             rows = slice(i * k, (i + 1) * k)
             records.append(problem_record(question, answer, responses[rows], lengths[rows], truncated[rows]))
         if len(examples) < num_examples:
-            examples += trainer.describe_examples(batch, responses[::k])[: num_examples - len(examples)]
+            examples += describe_examples(trainer, batch, responses[::k])[: num_examples - len(examples)]
     trainer.model.train()
     records, examples = world.gather_eval(records, examples, num_examples)
     return summarise(records, k), records, examples
+
+
+def describe_examples(trainer, batch, responses):
+    """Evaluation examples as samples.jsonl records: prompt, response, answers and each reward."""
+    prompts, answers = list(batch["prompt"]), list(batch["answer"])
+    rewards = trainer.score_rewards(prompts, responses, answers)  # [N, F]
+    return example_records(prompts, responses, answers, rewards, trainer.reward_names)
 
 
 def logged_metrics(metrics):

@@ -1,5 +1,5 @@
-"""The measured speed-ups train.py relies on (benchmarks/bench.py and benchmarks/log_probs.py, README
-"Performance"): each computes exactly what the plain version computes, with less time and memory.
+"""The measured speed-ups train.py relies on (benchmarks/bench.py and benchmarks/log_probs.py,
+docs/performance.md): each computes exactly what the plain version computes, with less time and memory.
 
     sampling_processors / SampleKeptTokens   draw each token among the ids top-k / top-p keep (19% less
                                              sampling time than generate's multinomial over 151,936 ids)

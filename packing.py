@@ -1,8 +1,13 @@
 """The shapes of a rollout: how sampled groups become the tensors the training passes run on.
 
-join_batches         a sampling call's prompt batches as one batch
-pad_and_cat          right-pad tensors to one width and stack them
-pad_and_cat_groups   a micro-batch's groups, left-padded prompts and right-padded responses
+join_batches              a sampling call's prompt batches as one batch
+pad_and_cat               right-pad tensors to one width and stack them
+trim_group                the columns a group keeps: its own prompt and response widths
+pad_and_cat_groups        a micro-batch's groups, left-padded prompts and right-padded responses
+padded_sequences          the padded rows as the model reads them (padding_free off)
+pack_sequences, unpack    the real tokens alone in one row (padding_free), and back to [N, T]
+micro_batch_groups        which groups form each micro-batch: consecutive_micro_batches (the seed's order)
+                          or balanced_micro_batches (padding_free: balanced by real tokens)
 """
 
 import torch
@@ -38,22 +43,24 @@ def trim_group(attention_mask, num_actions):
 def pad_and_cat_groups(groups, pad_token_id):
     """Join groups whose prompts (left-padded) or responses (right-padded) differ in length.
 
-    groups: dict of lists, one tensor per group: prompt_response_ids / attention_mask [G, P_i+T_i],
-    action_mask [G, T_i], advantages [G]. Returns dict of [sum G, ...] tensors, padded to max P_i and T_i.
+    groups: train.Samples (prompt_response_ids / attention_mask [G, P_i+T_i], action_mask and sampler_log_probs
+    [G, T_i], advantages [G]). Returns the MicroBatch fields as [sum G, ...] tensors, padded to max P_i and T_i.
     """
-    num_actions = [mask.size(1) for mask in groups["action_mask"]]
-    prompt_lengths = [ids.size(1) - t for ids, t in zip(groups["prompt_response_ids"], num_actions)]
+    num_actions = [group.action_mask.size(1) for group in groups]
+    prompt_lengths = [group.prompt_response_ids.size(1) - t for group, t in zip(groups, num_actions)]
     max_p, max_t = max(prompt_lengths), max(num_actions)
-    pads = {"prompt_response_ids": pad_token_id, "attention_mask": 0}
-    batch = {}
-    for key, tensors in groups.items():
-        if key in pads:  # (left, right) padding of the last dimension
-            sizes = zip(tensors, prompt_lengths, num_actions)
-            batch[key] = torch.cat([F.pad(x, (max_p - p, max_t - t), value=pads[key]) for x, p, t in sizes])
-        elif key == "advantages":
-            batch[key] = torch.cat(tensors)
-        else:
-            batch[key] = torch.cat([F.pad(x, (0, max_t - t)) for x, t in zip(tensors, num_actions)])
+    sizes = list(zip(groups, prompt_lengths, num_actions))
+
+    def padded(key, left, value=0):  # [sum G, ...]: left-padded to max P_i (left), right-padded to max T_i
+        return torch.cat(
+            [F.pad(getattr(g, key), (max_p - p if left else 0, max_t - t), value=value) for g, p, t in sizes]
+        )
+
+    batch = dict(prompt_response_ids=padded("prompt_response_ids", True, pad_token_id))
+    batch |= dict(attention_mask=padded("attention_mask", True), action_mask=padded("action_mask", False))
+    batch["advantages"] = torch.cat([group.advantages for group in groups])
+    if groups[0].sampler_log_probs is not None:  # use_vllm
+        batch["sampler_log_probs"] = padded("sampler_log_probs", False)
     return batch
 
 

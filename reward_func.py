@@ -169,6 +169,14 @@ def mark_reward(prompts, responses, answers):
 
 
 # ---- reward models: a sequence-classification model (or its path) in place of a function ----
+def reward_weight_tensor(weights, num_funcs, device):
+    """[F] float32: one weight per reward function (None: all 1.0); another count is refused."""
+    weights = list(weights) if weights else [1.0] * num_funcs
+    if len(weights) != num_funcs:
+        raise ValueError(f"reward_weights has {len(weights)} entries but there are {num_funcs} reward functions")
+    return torch.tensor(weights, dtype=torch.float32, device=device)
+
+
 def load_reward_models(reward_funcs, reward_tokenizers, device):
     """Reward functions as given, with paths loaded as AutoModelForSequenceClassification (one label) and a
     tokenizer for each model (its own, unless given). Returns (reward_funcs, reward_tokenizers) lists."""

@@ -7,7 +7,7 @@ It stands in for the three things the real run downloads:
 - the Qwen2.5-Instruct weights           -> a 2-layer Qwen2 (hidden 64, 2 heads of 32) given a
                                             short supervised warm-up.
 
-The demo's design, so that held-out accuracy is the headline (README, "The demo"):
+The demo's design, so that held-out accuracy is the headline (docs/demo.md):
 - Skill: 50 small facts (a + b, a, b in 1..5, and the same facts read backwards as a - b). The test
   split holds out *phrasings*: a quarter of the (template, name, item) combinations appear only in
   test, so no test question string is in train (make_splits; tested), while every fact is in both.
@@ -21,7 +21,7 @@ The demo's design, so that held-out accuracy is the headline (README, "The demo"
 - Tokenizer: ~280 tokens, so that a prompt is ~31 tokens (Chinese phrases are single tokens), which
   makes the warm-up take seconds and each RL step cheap. Model: head size 32, which vLLM's CPU
   attention kernels support (`--demo --use_vllm=true`).
-- RL: 160 steps of 8 prompts (4 per micro-batch, one generate call of 32 rows) x G 8, 20-token
+- RL: 160 steps of 8 prompts (4 per micro-batch, one generate call of 64 rows) x G 8, 20-token
   responses, lr 3e-4 with the gradient norm clipped to 1 (at 1e-3 the policy collapsed after ~20
   steps); every 20 steps one evaluation of all 200 test problems in one generate call.
 
@@ -50,8 +50,8 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from cli import claim_output_dir
 from curves import read_accuracies
+from run_dir import claim_output_dir
 
 DEMO_MARKER = "demo_world.txt"  # in the output_dir the demo made: the only kind of folder a new demo clears
 VOCAB_SIZE = 300  # the BPE stops at ~280: a prompt is ~31 tokens, Chinese phrases are single tokens
@@ -384,8 +384,8 @@ def build_tiny_world(
 # The demo: python train.py --demo
 # ============================================================
 DEMO_DIR = os.path.join(".", "output", "demo")
-# With these settings a demo takes ~1.5 min alone on 2 CPU cores, world included, and its held-out
-# accuracy climbs ~0.4 (README, "The demo"); anything given on the command line still wins (e.g.
+# With these settings a demo takes about a minute alone on 2 CPU cores, world included, and its held-out
+# accuracy climbs (the measured run: docs/demo.md); anything given on the command line still wins (e.g.
 # --max_steps=50, --seed=1, --lr=0, or --preset paper --filter_metric=reward).
 DEMO_ARGS = dict(
     model_path=os.path.join(DEMO_DIR, "tiny-qwen2"),
@@ -443,10 +443,10 @@ def demo_summary(history, output_dir):
     return "\n".join(lines)
 
 
-def demo_world(output_dir, system_prompt, warm_up_steps, overwrite=False):
+def demo_world(output_dir, system_prompt, overwrite=False, warm_up_steps=DEMO_WARM_UP_STEPS):
     """A fresh demo in output_dir, marked as the demo's (DEMO_MARKER). An earlier demo's logs and checkpoints
     there are cleared (they would mix with this one's); another run's folder is refused, unless overwrite
-    (cli.claim_output_dir). Then build the world there. Returns (model_dir, data_dir)."""
+    (run_dir.claim_output_dir). Then build the world there. Returns (model_dir, data_dir)."""
     marker = os.path.join(output_dir, DEMO_MARKER)
     claim_output_dir(output_dir, overwrite or os.path.exists(marker), demo=True)
     with open(marker, "w", encoding="utf-8") as f:

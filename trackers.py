@@ -1,10 +1,13 @@
-"""Metrics: one record per optimizer step (step_record), written to metrics.jsonl by the trainer and, with
-report_to, to TensorBoard, Weights & Biases or Trackio. Each package is imported only when named."""
+"""Metrics: a micro-batch's loss diagnostics (loss_diagnostics), one record per optimizer step (step_record, with
+percentile), written to metrics.jsonl by the trainer and, with report_to, to TensorBoard, Weights & Biases or
+Trackio (make_tracker, scalars). Each package is imported only when named."""
 
 import importlib
 import math
 import os
 from statistics import fmean, stdev
+
+import torch
 
 
 def step_record(step, metrics):
@@ -42,6 +45,21 @@ def step_record(step, metrics):
     if record.get("time/training"):
         record["train_tokens_per_second"] = record["num_tokens"] / record["time/training"]
     return record
+
+
+@torch.no_grad()
+def loss_diagnostics(ratio, advantages, entropy, kl, action_mask, clip_eps_low, clip_eps_high):
+    """A micro-batch's diagnostics over its response tokens ({} if all were filtered out): the share of tokens
+    clipped below (A < 0) and above (A > 0) by Eq. (10), the entropy and, when kl is given, the k3 KL.
+    ratio, entropy, kl, action_mask: [N, T]; advantages: [N]."""
+    mask = action_mask.bool()
+    if not mask.any():
+        return {}
+    A = advantages.unsqueeze(1).expand_as(ratio)
+    low, high = (ratio < 1 - clip_eps_low) & (A < 0), (ratio > 1 + clip_eps_high) & (A > 0)
+    metrics = {"clip_ratio/low_mean": low[mask].float().mean().item()}
+    metrics |= {"clip_ratio/high_mean": high[mask].float().mean().item(), "entropy": entropy[mask].mean().item()}
+    return metrics | ({} if kl is None else {"kl": kl[mask].mean().item()})
 
 
 def percentile(ranked, q):

@@ -1,19 +1,17 @@
 """DAPO: Decoupled Clip and Dynamic Sampling Policy Optimization, in one file.
 
 RL fine-tuning of a chat LLM on grade-school math (GSM8K, Chinese), after the DAPO paper
-(ByteDance Seed / Tsinghua AIR, arXiv 2503.14476) and the annotated seed notes in shared/seed/.
-Read it top to bottom:
+(ByteDance Seed / Tsinghua AIR, arXiv 2503.14476) and the annotated DAPO notes this project reimplements (the
+"seed"; docs/differences-from-seed.md lists where it deviates). Read it top to bottom:
 
-    1. data            GSM8KDataset, Samples (one group)
+    1. data            GSM8KDataset, Samples (one group), MicroBatch (batch_size groups, padded)
     2. settings        DapoArguments (edit the defaults in place, or `--field=value`), paper_preset
     3. DAPO maths      group_advantages, keep_groups, dapo_per_token_loss, aggregate_loss, ...
     4. the trainer     DapoTrainer.train is Algorithm 1 in one loop: sample groups -> rewards ->
                        advantages -> dynamic-sampling filter -> buffer -> micro-batches ->
                        clip-higher token-level loss, accumulated -> optimizer step -> log / eval / save
     5. entry point     python train.py [--demo] [--preset paper] [--resume=latest] [--field=value ...]
-
-Each optimizer step consumes gradient_accumulation_steps micro-batches of batch_size valid
-groups; a group is num_generations responses to one prompt.
+A step: gradient_accumulation_steps micro-batches of batch_size valid groups of num_generations responses.
 """
 
 import contextlib
@@ -37,15 +35,16 @@ from transformers import GenerationConfig
 from kernels import generate_sharing_prompts, reuse_freed_memory, sampling_processors, selective_log_softmax
 from packing import join_batches, micro_batch_groups, pack_sequences, pad_and_cat, pad_and_cat_groups
 from packing import padded_sequences, trim_group, unpack
-from cli import check_arguments, check_before_loading, check_eval_only, hold_output_dir, load_split, parse_cli
-from cli import run_settings
-from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume, save_checkpoint
+from cli import check_arguments, check_before_loading, check_eval_only, load_split, parse_cli, run_settings
+from run_dir import claim_output_dir, hold_output_dir
+from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume_run, save_run_checkpoint
 from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
-from reward_func import example_records, load_reward_models, reward_column, reward_func_name
+from reward_func import load_reward_models, reward_column, reward_func_name, reward_weight_tensor
 from curves import plot_curves, redraw_curves
 from evaluation import evaluate_model, logged_metrics, run_eval, run_summary
-from trackers import make_tracker, step_record
+from trackers import loss_diagnostics, make_tracker, step_record
 import distributed
+from distributed import rollout_share
 
 SYSTEM_PROMPT = """
 按照如下格式回答问题：
@@ -93,10 +92,20 @@ class Samples:
     num_actions: int  # T, the padded response length
     response_length: torch.Tensor  # [G] number of response tokens (EOS included)
     sampler_log_probs: Optional[torch.Tensor] = None  # [G, T] vLLM's log-probs of the drawn tokens (use_vllm)
+    advantages: Optional[torch.Tensor] = None  # [G] Eq. (9), once scored (generate_experiences)
 
 
-# What generate_experiences keeps of each valid group; a micro-batch holds them padded, with pi_old's and pi_ref's.
-GROUP_KEYS = ("prompt_response_ids", "attention_mask", "action_mask", "advantages")
+@dataclass
+class MicroBatch:
+    """batch_size valid groups, padded to one width and concatenated: what one micro-step's loss reads."""
+
+    prompt_response_ids: torch.Tensor  # [N, P+T], N = batch_size * G
+    attention_mask: torch.LongTensor  # [N, P+T]
+    action_mask: torch.LongTensor  # [N, T] the loss's tokens (0 for an overlong_filter-ed response)
+    advantages: torch.Tensor  # [N]
+    sampler_log_probs: Optional[torch.Tensor] = None  # [N, T] vLLM's (use_vllm)
+    old_action_log_probs: Optional[torch.Tensor] = None  # [N, T] pi_old's; None: pi_old = pi_theta (ratio 1)
+    ref_action_log_probs: Optional[torch.Tensor] = None  # [N, T] pi_ref's (beta > 0)
 
 
 # ============================================================
@@ -108,9 +117,10 @@ Tracker = Literal["none", "tensorboard", "wandb", "trackio"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]  # importance sampling (TRL)
 
 
-def arg(default, help):
-    """A DapoArguments field whose help text `python train.py --help` prints."""
-    return field(default=default, metadata={"help": help})
+def arg(default, help, at_least=None):
+    """A DapoArguments field whose help text `python train.py --help` prints; at_least: its smallest value. Its
+    rules (at_least, a Literal's choices) are checked by cli.check_arguments."""
+    return field(default=default, metadata={"help": help, "at_least": at_least})
 
 
 @dataclass
@@ -123,45 +133,45 @@ class DapoArguments:
     device: str = arg("cuda" if torch.cuda.is_available() else "cpu", "where the model runs")
     seed: int = arg(42, "seeds torch's RNG (sampling, shuffling, evaluation subsets)")
     # --- optimisation (seed: plain Adam, constant lr) ---
-    lr: float = arg(0.000001, "learning rate (seed and paper: 1e-6); 0 samples and logs without learning")
-    epoch: int = arg(3, "passes over the training prompts")
-    max_steps: int = arg(0, "stop after this many optimizer steps; 0 = run every epoch")
-    gradient_accumulation_steps: int = arg(2, "micro-batches per optimizer step")
-    batch_size: int = arg(1, "prompts per sampling round = valid groups per micro-batch")
-    steps_per_generation: int = arg(1, "optimizer steps per rollout: its groups split into this many steps (TRL)")
-    num_iterations: int = arg(1, "optimizer passes over each rollout (>1: PPO-style reuse)")
-    weight_decay: float = arg(0.0, "> 0 switches Adam to AdamW with this decoupled decay (verl's DAPO script: 0.1)")
-    warmup_steps: int = arg(0, "linear lr warm-up over this many optimizer steps (verl's DAPO script: 10)")
-    max_grad_norm: float = arg(0.0, "clip the gradient norm to this; 0 = no clipping (verl's DAPO script: 1.0)")
+    lr: float = arg(0.000001, "learning rate (seed and paper: 1e-6); 0 samples and logs without learning", at_least=0)
+    epoch: int = arg(3, "passes over the training prompts", at_least=1)
+    max_steps: int = arg(0, "stop after this many optimizer steps; 0 = run every epoch", at_least=0)
+    gradient_accumulation_steps: int = arg(2, "micro-batches per optimizer step", at_least=1)
+    batch_size: int = arg(1, "prompts per sampling round = valid groups per micro-batch", at_least=1)
+    steps_per_generation: int = arg(1, "optimizer steps per rollout: its groups split into this many (TRL)", at_least=1)
+    num_iterations: int = arg(1, "optimizer passes over each rollout (>1: PPO-style reuse)", at_least=1)
+    weight_decay: float = arg(0.0, "> 0: AdamW with this decoupled decay (verl's DAPO script: 0.1)", at_least=0)
+    warmup_steps: int = arg(0, "linear lr warm-up over this many optimizer steps (verl's DAPO script: 10)", at_least=0)
+    max_grad_norm: float = arg(0.0, "clip the gradient norm to this; 0 = off (verl's DAPO script: 1.0)", at_least=0)
     # --- sampling ---
     num_generations: int = arg(4, "G: responses per prompt (group size; paper: 16)")
-    max_prompt_length: int = arg(256, "longer prompts keep their last tokens")
-    max_generate_length: int = arg(128, "max new tokens per response (L_max)")
+    max_prompt_length: int = arg(256, "longer prompts keep their last tokens", at_least=1)
+    max_generate_length: int = arg(128, "max new tokens per response (L_max)", at_least=1)
     temperature: float = arg(0.9, "sampling temperature (seed 0.9; verl's DAPO recipe 1.0)")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 = off")
-    top_k: int = arg(50, "top-k sampling; 0 = off (seed 50; verl's DAPO recipe off)")
+    top_k: int = arg(50, "top-k sampling; 0 = off (seed 50; verl's DAPO recipe off)", at_least=0)
     score_with_temperature: bool = arg(False, "log-probs under logits / temperature, the sampling policy (TRL, verl)")
-    generation_batch_size: int = arg(0, "prompts per sampling call, all ranks; 0 = what the rollout still needs")
-    max_generation_rows: int = arg(256, "at most this many responses per generate call (whole groups): memory")
+    generation_batch_size: int = arg(0, "prompts per sampling call, all ranks; 0 = what the rollout needs", at_least=0)
+    max_generation_rows: int = arg(256, "at most this many responses per generate call (whole groups)", at_least=1)
     # --- rewards and dynamic sampling ---
     reward_weights: Optional[List[float]] = arg(None, "one weight per reward function; None = all 1.0")
     filter_metric: FilterMetric = arg("reward", "skip a group: 'reward' all totals equal (seed), 'correctness' Eq. 11")
-    max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit")
+    max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit", at_least=0)
     overlong_buffer_len: int = arg(0, "L_cache of the soft overlong punishment (Eq. 13); 0 = off")
-    overlong_penalty_factor: float = arg(1.0, "scale of that punishment (-factor at L_max)")
+    overlong_penalty_factor: float = arg(1.0, "scale of that punishment (-factor at L_max)", at_least=0)
     overlong_filter: bool = arg(False, "mask out the loss of responses that hit max_generate_length without EOS")
     # --- loss ---
-    beta: float = arg(0.0, "KL coefficient; 0 = no reference model (saves memory)")
+    beta: float = arg(0.0, "KL coefficient; 0 = no reference model (saves memory)", at_least=0)
     clip_eps_low: float = arg(0.2, "ratio clipped below at 1 - clip_eps_low")
     clip_eps_high: float = arg(0.28, "ratio clipped above at 1 + clip_eps_high (clip-higher)")
     loss_agg_mode: LossAggMode = arg("seed", "'seed' per-group token mean, 'token-mean' Eq. 12, 'seq-mean-token-mean'")
     # --- evaluation, logging, checkpoints ---
-    eval_steps: int = arg(10, "evaluate every this many optimizer steps (and before training)")
-    eval_samples: int = arg(100, "random test problems per evaluation; 0 = the whole split")
-    eval_num_generations: int = arg(1, "k responses per test problem; k > 1 adds pass@k and maj@k (evaluation.py)")
-    eval_batch_size: int = arg(20, "prompts per generate call during evaluation")
-    save_steps: int = arg(100, "write output_dir/checkpoint_N every this many optimizer steps")
-    save_total_limit: int = arg(0, "keep only the newest this many checkpoints; 0 = all (TRL's name)")
+    eval_steps: int = arg(10, "evaluate every this many optimizer steps (and before training)", at_least=1)
+    eval_samples: int = arg(100, "random test problems per evaluation; 0 = the whole split", at_least=0)
+    eval_num_generations: int = arg(1, "k responses per test problem; k > 1 adds pass@k and maj@k", at_least=1)
+    eval_batch_size: int = arg(20, "prompts per generate call during evaluation", at_least=1)
+    save_steps: int = arg(100, "write output_dir/checkpoint_N every this many optimizer steps", at_least=1)
+    save_total_limit: int = arg(0, "keep only the newest this many checkpoints; 0 = all (TRL's name)", at_least=0)
     report_to: Tracker = arg("none", "also log metrics to TensorBoard, Weights & Biases or Trackio")
     # --- speed and memory ---
     bf16: bool = arg(True, "on CUDA, autocast forward passes to bf16 (weights stay float32)")
@@ -172,9 +182,9 @@ class DapoArguments:
     use_vllm: bool = arg(False, "sample with vLLM in this process (pip install -r requirements-vllm.txt; TRL's name)")
     vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (TRL's default)")
     vllm_enable_sleep_mode: bool = arg(False, "on CUDA, vLLM frees its memory between rollouts (TRL's name)")
-    vllm_importance_sampling_cap: float = arg(0.0, "> 0: weight tokens by pi_old / pi_vLLM, capped (TRL, verl: 2)")
+    vllm_importance_sampling_cap: float = arg(0.0, "> 0: weight by pi_old / pi_vLLM, capped (verl: 2)", at_least=0)
     vllm_importance_sampling_mode: ISMode = arg("token_truncate", "w per token or per response; cap: truncate or mask")
-    vllm_logprob_diff_threshold: float = arg(0.1, "stop if mean |log pi_old - log pi_vLLM| per token > this; 0 = off")
+    vllm_logprob_diff_threshold: float = arg(0.1, "stop if mean |log pi_old - log pi_vLLM| > this; 0 = off", at_least=0)
 
     def __post_init__(self):
         self.validate()
@@ -323,22 +333,24 @@ class LoopState:
     epoch: int = 0  # current pass over the training prompts
     batches_done: int = 0  # prompt batches consumed in this epoch
     rounds: int = 0  # sampling rounds since the last rollout was complete
-    skipped_groups: int = 0  # groups dropped by dynamic sampling, whole run
+    skipped_groups: int = 0  # groups this process dropped by dynamic sampling, whole run (logged: over all)
     truncated_prompts: int = 0  # prompts longer than max_prompt_length (cut from the left), whole run
-    buffer: dict = field(default_factory=lambda: {key: [] for key in GROUP_KEYS})  # valid groups not yet trained
-    rollout: Optional[list] = None  # the micro-batches being trained on
+    buffer: list = field(default_factory=list)  # valid groups (Samples) not yet trained
+    rollout: Optional[list] = None  # the MicroBatches being trained on
     updates_done: int = 0  # optimizer steps taken on the rollout
     world_size: int = 1  # processes training together (torchrun); a checkpoint resumes under the same number
 
-    def state_dict(self):
-        return dict(vars(self))
+    def state_dict(self):  # groups and micro-batches as dicts: a checkpoint loads with torch.load(weights_only=True)
+        rollout = None if self.rollout is None else [vars(m) for m in self.rollout]
+        return dict(vars(self), buffer=[vars(group) for group in self.buffer], rollout=rollout)
 
     def load_state_dict(self, state):
         saved, here = state.get("world_size", 1), self.world_size  # resume under as many processes as wrote it
         launch = distributed.launcher(saved)
         if saved != here:
             raise ValueError(f"the checkpoint was written by {saved} process(es), this run has {here}: {launch}")
-        vars(self).update(state)
+        vars(self).update(state, buffer=[Samples(**group) for group in state["buffer"]])
+        self.rollout = None if self.rollout is None else [MicroBatch(**m) for m in self.rollout]
 
 
 class NoTrainingStep(RuntimeError):
@@ -378,19 +390,21 @@ class DapoTrainer:
         if args.beta != 0.0:  # frozen and only run under autocast: bf16 weights are enough there
             ref_dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
             self.ref_model = deepcopy(self.model).to(ref_dtype).eval().requires_grad_(False)
-        self.world.apply_fsdp(args.fsdp, self.model, self.ref_model)  # --fsdp: shard both over the ranks
-        self.tokenizer = self.get_tokenizer(load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer)
+        if args.fsdp:  # shard the policy and the reference model over the ranks
+            from fsdp import FsdpWorld
+
+            self.world = FsdpWorld.shard(self.world, self.model, self.ref_model)
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.tokenizer.padding_side = "left"  # prompts end at the same column, responses start there
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
         eos_ids = self.model.generation_config.eos_token_id  # every id that ends a response
         eos_ids = [] if eos_ids is None else [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
         self.eos_token_ids = sorted(set(eos_ids) | {self.tokenizer.eos_token_id})
 
         self.reward_funcs, self.reward_tokenizers = load_reward_models(reward_funcs, reward_tokenizers, args.device)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
-        num_funcs = len(self.reward_funcs)
-        weights = list(args.reward_weights) if args.reward_weights else [1.0] * num_funcs
-        if len(weights) != num_funcs:
-            raise ValueError(f"reward_weights has {len(weights)} entries but there are {num_funcs} reward functions")
-        self.reward_weights = torch.tensor(weights, dtype=torch.float32, device=args.device)  # [F]
+        self.reward_weights = reward_weight_tensor(args.reward_weights, len(self.reward_funcs), args.device)  # [F]
         if args.filter_metric == "correctness" and "correctness_reward" not in self.reward_names:
             raise ValueError('filter_metric="correctness" needs correctness_reward among the reward functions')
 
@@ -406,7 +420,7 @@ class DapoTrainer:
             pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.model.generation_config.bos_token_id,
         )  # fmt: skip
 
-        self.vllm, self.sampler_log_probs = None, None  # use_vllm: vLLM samples in this process; the policy learns
+        self.vllm = None  # use_vllm: vLLM samples in this process; the policy learns
         if args.use_vllm:
             from vllm_sampler import VllmSampler
 
@@ -418,14 +432,9 @@ class DapoTrainer:
         self.history = []  # one metrics dict per optimizer step (also written to metrics.jsonl)
         self.last_accuracy, self.eval_record = math.nan, {}  # the last evaluation: strict accuracy, every metric
         self.tracker = make_tracker("none", args.output_dir, None)  # report_to's, from train() on
+        self.global_steps, self.empty_rounds, self.progress = 0, 0, None  # train()'s bound, warning count, bar
 
     update_steps = property(lambda self: self.state.update_steps)  # the seed's name for optimizer steps taken
-
-    def get_tokenizer(self, tokenizer):
-        tokenizer.padding_side = "left"  # prompts end at the same column, responses start there
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        return tokenizer
 
     def autocast(self):
         """bf16 autocast for forward passes on CUDA; float32 (a no-op context) elsewhere."""
@@ -451,29 +460,31 @@ class DapoTrainer:
 
     @torch.no_grad()
     def sample(self, input_ids, attention_mask):
-        """One generate call with this trainer's sampling settings. Returns [N, P+T'], T' <= max_generate_length."""
+        """One generate call with this trainer's sampling settings. Returns what it drew: ids [N, P+T'], T' <=
+        max_generate_length, and vLLM's log-probs of the drawn tokens [N, T'] (None without vLLM)."""
         if self.vllm is not None:
             return self.sample_with_vllm(input_ids, attention_mask)
         saved_config, self.model.generation_config = self.model.generation_config, self.generation_config
         try:
             with self.autocast(), self.world.unsharded(self.model):  # --fsdp: gathered for the whole call
-                return generate_sharing_prompts(  # the G copies of a prompt share its prompt pass
+                ids = generate_sharing_prompts(  # the G copies of a prompt share its prompt pass
                     self.model, input_ids, attention_mask, generation_config=self.generation_config,
                     logits_processor=self.logits_processor, synced_gpus=False,  # unsharded: no per-token sync
                 )  # fmt: skip
+                return ids, None
         finally:
             self.model.generation_config = saved_config
 
     def sample_with_vllm(self, input_ids, attention_mask):
-        """sample() through vLLM, with the policy's current weights; vLLM's log-probs of the drawn tokens are
-        kept in self.sampler_log_probs [N, T'] for the sampler/learner gap (and its correction)."""
+        """sample() through vLLM, with the policy's current weights; vLLM's log-probs of the drawn tokens [N, T']
+        measure the sampler/learner gap (and correct it)."""
         if self.vllm_step != self.state.update_steps:  # the policy stepped since vLLM last saw it
             self.vllm.load_weights(self.model)
             self.vllm_step = self.state.update_steps
         a, pad = self.args, self.tokenizer.pad_token_id
         sampling = (pad, a.temperature, a.top_p, a.top_k, a.max_generate_length, self.eos_token_ids)
-        response_ids, self.sampler_log_probs = self.vllm.sample(input_ids, attention_mask, *sampling)
-        return torch.cat([input_ids, response_ids], dim=1)
+        response_ids, log_probs = self.vllm.sample(input_ids, attention_mask, *sampling)
+        return torch.cat([input_ids, response_ids], dim=1), log_probs
 
     def generate_samples(self, inputs):
         """num_generations responses to each prompt of the batch, in one generate call (or one per
@@ -485,7 +496,8 @@ class DapoTrainer:
         prompt_ids, prompt_mask = self.encode_prompts(prompts)  # [B, P]
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
         rows = len(prompt_ids) if self.vllm else max(1, self.args.max_generation_rows // G) * G
-        calls = [self.sample(*x)[:, prompt_ids.size(1) :] for x in zip(prompt_ids.split(rows), prompt_mask.split(rows))]
+        drawn = [self.sample(*x) for x in zip(prompt_ids.split(rows), prompt_mask.split(rows))]  # [(ids, log-probs)]
+        calls = [ids[:, prompt_ids.size(1) :] for ids, _ in drawn]
         masks = [response_mask(ids, self.eos_token_ids, ids.size(1)) for ids in calls]  # each call's own budget
         action_mask = pad_and_cat(masks, 0)  # [B*G, T]
         response_ids = pad_and_cat(calls, pad).masked_fill(action_mask == 0, pad)  # [B*G, T]
@@ -493,14 +505,16 @@ class DapoTrainer:
         # From the masks, not from `!= pad_token_id`: a pad token that is also the EOS (SmolLM, Llama) would
         # otherwise hide the chat template's own end-of-turn tokens.
         attention_mask = torch.cat([prompt_mask, action_mask], dim=1)  # [B*G, P+T]
-        sampler_log_probs, self.sampler_log_probs = self.sampler_log_probs, None  # [B*G, T] from vLLM, once
+        sampler_log_probs = drawn[0][1]  # [B*G, T]: vLLM's, in one call; None without vLLM
         groups = [slice(g * G, (g + 1) * G) for g in range(len(prompts))]
         samples = []
         for g, prompt, answer in zip(groups, prompts, answers):  # each as wide as its own prompts and responses
             at, T = trim_group(attention_mask[g], response_ids.size(1))  # columns; the seed's call per prompt
-            ids, masks = (prompt_response_ids[g, at], response_ids[g, :T]), (attention_mask[g, at], action_mask[g, :T])
+            group = dict(prompt_response_ids=prompt_response_ids[g, at], attention_mask=attention_mask[g, at])
+            group |= dict(response_ids=response_ids[g, :T], action_mask=action_mask[g, :T], num_actions=T)
             sampler = None if sampler_log_probs is None else sampler_log_probs[g, :T]
-            samples.append(Samples(*ids, prompt, answer, *masks, T, action_mask[g].sum(-1), sampler))
+            group |= dict(response_length=action_mask[g].sum(-1), sampler_log_probs=sampler)
+            samples.append(Samples(prompt=prompt, answer=answer, **group))
         return samples
 
     # ---- 4.2 rewards, advantages, dynamic sampling ----
@@ -511,8 +525,8 @@ class DapoTrainer:
         return torch.stack([reward_column(*f, prompts, responses, answers, self.args.device) for f in funcs], dim=1)
 
     def generate_experiences(self, inputs):
-        """Sample groups, score them, compute advantages and drop the groups without signal. Returns {key: one
-        tensor per kept group} for GROUP_KEYS (the seed's layout) and "metrics": {name: values} for the step log."""
+        """Sample groups, score them, compute advantages and drop the groups without signal. Returns the kept
+        groups (Samples with their advantages) and {name: values} for the step log."""
         args, G = self.args, self.args.num_generations
         start = time.perf_counter()
         samples_list = self.generate_samples(inputs)
@@ -539,16 +553,12 @@ class DapoTrainer:
         keep = keep_groups(advantages, correct, args.filter_metric)  # [B]
         self.state.skipped_groups += int((~keep).sum())
 
-        experiences = {key: [] for key in GROUP_KEYS}
+        kept = []
         for g in keep.nonzero().flatten().tolist():
-            samples, action_mask = samples_list[g], samples_list[g].action_mask  # [G, T]
+            action_mask = samples_list[g].action_mask  # [G, T]
             if args.overlong_filter:  # a response cut off by the length budget says nothing about its answer
                 action_mask = action_mask * ~truncated.view(-1, G)[g].unsqueeze(1)
-            group = (samples.prompt_response_ids, samples.attention_mask, action_mask, advantages[g])
-            for key, value in zip(GROUP_KEYS, group):
-                experiences[key].append(value)
-            if samples.sampler_log_probs is not None:
-                experiences.setdefault("sampler_log_probs", []).append(samples.sampler_log_probs)
+            kept.append(dataclasses.replace(samples_list[g], action_mask=action_mask, advantages=advantages[g]))
         reward_std = rewards.std(dim=1)  # [B]
         metrics |= {"time/sampling": [sampling_time], "time/reward": [time.perf_counter() - start]}
         metrics |= dict(reward=rewards.flatten().tolist(), reward_std=reward_std.tolist())
@@ -556,62 +566,52 @@ class DapoTrainer:
         metrics["frac_groups_skipped"] = (~keep).float().tolist()
         metrics["completions/length"] = lengths.tolist()
         metrics["completions/clipped_ratio"] = truncated.float().tolist()
-        return experiences | {"metrics": metrics}
+        return kept, metrics
 
     @torch.no_grad()
     def make_micro_batches(self, groups):
-        """The rollout's groups (dict of lists) as micro-batches of batch_size groups, each padded to its longest, with
+        """The rollout's groups (Samples) as MicroBatches of batch_size groups, each padded to its longest, with
         pi_old's and pi_ref's log-probs taken once, on the tensors training will see (packed: balanced by tokens)."""
         args, pad = self.args, self.tokenizer.pad_token_id
         reused = args.num_iterations > 1 or args.steps_per_generation > 1  # else pi_old = pi_theta: ratio 1
-        tokens = [int(mask.sum()) for mask in groups["attention_mask"]]  # each group's real tokens
+        tokens = [int(group.attention_mask.sum()) for group in groups]  # each group's real tokens
         micro_batches = []
         for members in micro_batch_groups(tokens, args.batch_size, args.steps_per_generation, args.padding_free):
-            inputs = pad_and_cat_groups({key: [values[g] for g in members] for key, values in groups.items()}, pad)
+            inputs = MicroBatch(**pad_and_cat_groups([groups[g] for g in members], pad))
             model_inputs, ref = self.model_inputs(inputs), self.ref_model
-            inputs["old_action_log_probs"] = self.get_action_log_probs(self.model, *model_inputs) if reused else None
-            inputs["ref_action_log_probs"] = None if ref is None else self.get_action_log_probs(ref, *model_inputs)
+            inputs.old_action_log_probs = self.get_action_log_probs(self.model, *model_inputs) if reused else None
+            inputs.ref_action_log_probs = None if ref is None else self.get_action_log_probs(ref, *model_inputs)
             micro_batches.append(inputs)
         return micro_batches
 
     @staticmethod
     def model_inputs(inputs):
-        return inputs["prompt_response_ids"], inputs["attention_mask"], inputs["action_mask"].size(1)
+        return inputs.prompt_response_ids, inputs.attention_mask, inputs.action_mask.size(1)
 
     # ---- 4.3 the DAPO loss ----
     def compute_loss(self, model, inputs, normaliser=None, return_metrics=False):
         """DAPO policy-gradient loss of one micro-batch (Eqs. 10 and 12, plus beta * k3 when beta > 0). normaliser:
         the step's loss denominator (aggregate_loss); None = the whole step. return_metrics: also its diagnostics."""
-        args, action_mask = self.args, inputs["action_mask"]  # [N, T]
+        args, action_mask = self.args, inputs.action_mask  # [N, T]
         log_probs, entropy = self.get_action_log_probs(model, *self.model_inputs(inputs), with_entropy=True)
-        old_log_probs = inputs["old_action_log_probs"]
+        old_log_probs = inputs.old_action_log_probs
         old_log_probs = log_probs.detach() if old_log_probs is None else old_log_probs
-        advantages = inputs["advantages"]  # [N]
+        advantages = inputs.advantages  # [N]
         eps = (args.clip_eps_low, args.clip_eps_high)
         per_token_loss, ratio = dapo_per_token_loss(log_probs, old_log_probs, advantages, *eps)  # [N, T] each
-        sampler_log_probs, metrics = inputs.get("sampler_log_probs"), {}  # [N, T] (use_vllm)
+        sampler_log_probs, metrics, kl = inputs.sampler_log_probs, {}, None  # [N, T] (use_vllm)
         if sampler_log_probs is not None:  # vLLM drew the tokens, the loss assumes pi_old did: gap, guard, weights
             from vllm_sampler import sampler_correction
 
             weight, metrics = sampler_correction(old_log_probs.detach(), sampler_log_probs, action_mask, args)
             per_token_loss = per_token_loss * weight  # [N, T]; 1 without vllm_importance_sampling_cap
         if args.beta != 0.0:
-            kl = k3_kl(log_probs, inputs["ref_action_log_probs"], action_mask)  # [N, T]
+            kl = k3_kl(log_probs, inputs.ref_action_log_probs, action_mask)  # [N, T]
             per_token_loss = per_token_loss + args.beta * kl
         loss = aggregate_loss(per_token_loss, action_mask, args.loss_agg_mode, args.num_generations, normaliser)
         if not return_metrics:
             return loss
-        mask = action_mask.bool()
-        if mask.any():  # diagnostics over the micro-batch's response tokens (none if all were filtered out)
-            with torch.no_grad():
-                A = advantages.unsqueeze(1).expand_as(ratio)
-                low, high = (ratio < 1 - args.clip_eps_low) & (A < 0), (ratio > 1 + args.clip_eps_high) & (A > 0)
-                metrics["clip_ratio/low_mean"] = low[mask].float().mean().item()
-                metrics["clip_ratio/high_mean"] = high[mask].float().mean().item()
-                metrics["entropy"] = entropy[mask].mean().item()
-                if args.beta != 0.0:
-                    metrics["kl"] = kl[mask].mean().item()
-        return loss, metrics
+        return loss, metrics | loss_diagnostics(ratio, advantages, entropy, kl, action_mask, *eps)
 
     # ---- 4.4 log-probabilities ----
     def get_action_log_probs(self, model, input_ids, attention_mask, num_actions, with_entropy=False):
@@ -635,7 +635,7 @@ class DapoTrainer:
         start = time.perf_counter()
         loss, metrics = self.compute_loss(model, inputs, normaliser, return_metrics=True)
         loss.backward()
-        num_tokens = int(inputs["action_mask"].sum())
+        num_tokens = int(inputs.action_mask.sum())
         return metrics | {"loss": loss.item(), "num_tokens": num_tokens, "time/training": time.perf_counter() - start}
 
     # ---- 4.6 Algorithm 1 ----
@@ -653,35 +653,41 @@ class DapoTrainer:
         if not self.resumed:  # a resumed run evaluated before its checkpoint
             self.evaluate_and_log()
         start_steps, self.empty_rounds = state.update_steps, 0
+        calls = self.prompt_batches()  # this epoch's sampling calls
         metrics = defaultdict(list)  # what this optimizer step gathered
         bar = dict(total=self.global_steps, initial=state.update_steps, desc="DAPO", unit="step", dynamic_ncols=True)
         bar = tqdm(**bar, disable=not self.world.is_main)
         with bar as self.progress, deferred_interrupts(self), contextlib.closing(self.tracker):
-            batches = self.prompt_batches()
             while state.update_steps < self.global_steps:
                 if state.rollout is None:
                     # 1. Sample G responses per prompt, score them, drop the groups without signal (dynamic
                     #    sampling), and buffer the rest until the rollout's groups are there.
-                    call = next(batches, None)  # the prompt batches the rollout still needs, sampled at once
-                    if call is None:
-                        break
-                    experiences = self.generate_experiences(join_batches(call))
-                    for key, values in experiences.pop("metrics").items():
+                    call = next(calls, None)  # the prompt batches the rollout still needs, sampled at once
+                    if call is None:  # the epoch's end: the seed's buffer lives one epoch, a partial step is dropped
+                        state.epoch, state.batches_done, state.rounds = state.epoch + 1, 0, 0
+                        state.buffer = []
+                        if state.epoch >= args.epoch:
+                            break
+                        calls = self.prompt_batches()
+                        continue
+                    kept, round_metrics = self.generate_experiences(join_batches(call))
+                    for key, values in round_metrics.items():
                         metrics[key] += values
-                    for key, values in experiences.items():
-                        state.buffer.setdefault(key, []).extend(values)
+                    state.buffer += kept
                     state.rounds += len(call)
-                    self.empty_rounds = 0 if experiences["advantages"] else self.empty_rounds + len(call)
-                    take = self.world.rollout_size(state, groups_per_rollout)  # a collective decision across ranks
+                    self.empty_rounds = 0 if kept else self.empty_rounds + len(call)
+                    held = self.world.gather(len(state.buffer))  # every rank's; [held] in one process
+                    take = rollout_share(held, groups_per_rollout, self.world.rank)  # None: not enough groups yet
                     if take is None:
                         self.check_rounds()
                         continue
                     # 2. The rollout: micro-batches of batch_size groups, with pi_old's and pi_ref's log-probs.
                     start = time.perf_counter()
-                    rollout = {key: values[:take] for key, values in state.buffer.items()}
-                    state.buffer = {key: values[take:] for key, values in state.buffer.items()}
-                    rollout = self.world.equal_micro_batches(self.make_micro_batches, rollout, args.batch_size)
-                    state.rollout, state.updates_done = rollout, 0
+                    rollout, state.buffer = state.buffer[:take], state.buffer[take:]
+                    pads = self.world.placeholder_groups(-(-take // args.batch_size))  # --fsdp: as many on every rank
+                    state.rollout = self.make_micro_batches(rollout)
+                    state.rollout += [m for p in pads for m in self.make_micro_batches([p])]  # each its own micro-batch
+                    state.updates_done = 0
                     metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)
                     metrics["num_gen_batches"].append(state.rounds)
                     state.rounds = 0
@@ -690,7 +696,7 @@ class DapoTrainer:
                 #    (num_iterations passes over steps_per_generation slices).
                 step_in_rollout = state.updates_done % args.steps_per_generation
                 micro_batches = distributed.step_slice(state.rollout, step_in_rollout, args.steps_per_generation)
-                normaliser = sum(loss_normaliser(m["action_mask"], args.loss_agg_mode, G) for m in micro_batches)
+                normaliser = sum(loss_normaliser(m.action_mask, args.loss_agg_mode, G) for m in micro_batches)
                 normaliser = self.world.sum(normaliser)  # the whole step's units, over every rank
                 self.model.train()
                 for inputs in micro_batches:
@@ -718,36 +724,33 @@ class DapoTrainer:
                 self.log_step(metrics)
                 metrics = defaultdict(list)
                 if state.update_steps % args.save_steps == 0 or self.stop_requested:
-                    path = self.world.save_checkpoint(self, save_checkpoint)
+                    path = save_run_checkpoint(self)
                 if self.stop_requested:
                     tqdm.write(f"stopped; continue with: {distributed.launcher(state.world_size)} --resume={path}")
                     raise KeyboardInterrupt
         if state.update_steps == start_steps:  # every group was skipped, to the end of the data
             raise NoTrainingStep(f"the data ran out before one optimizer step: {starvation_advice(args)}")
         if state.update_steps < self.global_steps:
-            bound = f"{self.global_steps} was an upper bound; dynamic sampling skipped {state.skipped_groups} groups"
+            skipped = self.world.sum(state.skipped_groups)
+            bound = f"{self.global_steps} was an upper bound; dynamic sampling skipped {skipped} groups"
             tqdm.write(f"the data ran out after {state.update_steps} steps: {bound}")
 
     def prompt_batches(self):
-        """Sampling calls, each the prompt batches the rollout still needs (World.rounds_to_sample), in a seeded
-        order per epoch (a resumed run skips the batches it had consumed) and never past an epoch's end: the
-        seed's buffer lives for one epoch, a partial step is dropped."""
+        """This epoch's sampling calls, each the prompt batches the rollout still needs (World.rounds_to_sample), in
+        the epoch's seeded order (a resumed run skips the batches it had consumed)."""
         args, state = self.args, self.state
         per_rank = args.batch_size * args.gradient_accumulation_steps * args.steps_per_generation
-        while state.epoch < args.epoch:
-            order = torch.Generator().manual_seed(args.seed + state.epoch)
-            loader = DataLoader(self.train_dataset, batch_size=args.batch_size, shuffle=True, generator=order)
-            batches = list(self.world.shard(loader))[state.batches_done :]  # batches rank, rank + N, ...
-            while batches:
-                held, sizes = len(state.buffer["advantages"]), (args.batch_size, args.generation_batch_size)
-                count = self.world.rounds_to_sample(held, per_rank, *sizes)  # collective under torchrun
-                if args.max_num_gen_batches:  # the rounds check_rounds allows, no more
-                    count = min(count, args.max_num_gen_batches - state.rounds)
-                call, batches = batches[:count], batches[count:]
-                state.batches_done += len(call)
-                yield call
-            state.epoch, state.batches_done, state.rounds = state.epoch + 1, 0, 0
-            state.buffer = {key: [] for key in GROUP_KEYS}
+        order = torch.Generator().manual_seed(args.seed + state.epoch)
+        loader = DataLoader(self.train_dataset, batch_size=args.batch_size, shuffle=True, generator=order)
+        batches = list(self.world.shard(loader))[state.batches_done :]  # batches rank, rank + N, ...
+        while batches:
+            held, sizes = len(state.buffer), (args.batch_size, args.generation_batch_size)
+            count = self.world.rounds_to_sample(held, per_rank, *sizes)  # collective under torchrun
+            if args.max_num_gen_batches:  # the rounds check_rounds allows, no more
+                count = min(count, args.max_num_gen_batches - state.rounds)
+            call, batches = batches[:count], batches[count:]
+            state.batches_done += len(call)
+            yield call
 
     def check_rounds(self):
         """Dynamic sampling that keeps too few groups: warn after EMPTY_ROUNDS_WARNING rounds in a row that
@@ -758,7 +761,7 @@ class DapoTrainer:
         if args.max_num_gen_batches and state.rounds >= args.max_num_gen_batches:
             needed = args.batch_size * args.gradient_accumulation_steps * args.steps_per_generation
             raise RuntimeError(
-                f"{state.rounds} sampling rounds gave only {len(state.buffer['advantages'])} of {needed} valid "
+                f"{state.rounds} sampling rounds gave only {len(state.buffer)} of {needed} valid "
                 f"groups: {starvation_advice(args)}, or raise max_num_gen_batches (0 = no limit)"
             )
 
@@ -772,7 +775,9 @@ class DapoTrainer:
 
     def log_step(self, metrics):
         """This optimizer step's record: to metrics.jsonl, the tracker and the progress bar."""
-        record = step_record(self.state.update_steps, metrics) | {"skipped_groups": self.state.skipped_groups}
+        record = step_record(self.state.update_steps, metrics) | {
+            "skipped_groups": self.world.sum(self.state.skipped_groups)
+        }
         record |= self.eval_record if self.state.update_steps % self.args.eval_steps == 0 else {}  # evaluated now
         record["truncated_prompts"] = self.world.sum(self.state.truncated_prompts)  # every rank's, whole run
         if self.args.device.startswith("cuda"):
@@ -807,8 +812,7 @@ class DapoTrainer:
         """k responses to each prompt, in one sample() call: their texts, token counts (EOS included) and whether
         each hit max_generate_length without an EOS, k rows per prompt."""
         input_ids, attention_mask = (x.repeat_interleave(k, dim=0) for x in self.encode_prompts(prompts))  # [B*k, P]
-        # Responses start right after the padded prompt, at the same column for every row.
-        response_ids = self.sample(input_ids, attention_mask)[:, input_ids.size(1) :]  # [B*k, T]
+        response_ids = self.sample(input_ids, attention_mask)[0][:, input_ids.size(1) :]  # [B*k, T]: all start there
         lengths = response_mask(response_ids, self.eos_token_ids, response_ids.size(1)).sum(dim=1)  # [B*k]
         truncated = is_truncated(response_ids, lengths, self.eos_token_ids).tolist()
         return self.tokenizer.batch_decode(response_ids, skip_special_tokens=True), lengths.tolist(), truncated
@@ -820,12 +824,6 @@ class DapoTrainer:
         metrics, _, examples = evaluate_model(self, num_samples, batch_size, num_examples)
         self.eval_record = logged_metrics(metrics)
         return (metrics["accuracy_strict"], examples) if return_examples else metrics["accuracy_strict"]
-
-    def describe_examples(self, batch, responses):
-        """Evaluation examples as samples.jsonl records: prompt, response, answers and each reward."""
-        prompts, answers = list(batch["prompt"]), list(batch["answer"])
-        rewards = self.score_rewards(prompts, responses, answers)  # [N, F]
-        return example_records(prompts, responses, answers, rewards, self.reward_names)
 
     def save_model(self):
         state = self.world.full_model_state(self.model)  # --fsdp: gathered from every rank; else None
@@ -863,7 +861,7 @@ def main(argv=None):
     if cli.plot:
         return print(f"wrote {plot_curves(cli.plot)}")
     try:  # the command line over a checkpoint's settings over the demo's, under the preset
-        overrides, checkpoint, demo_warm_up = run_settings(cli, given, DapoArguments.output_dir)
+        overrides, checkpoint = run_settings(cli, given, DapoArguments.output_dir)
         args = build_args(cli.preset, overrides)
     except ValueError as error:
         sys.exit(f"error: {error}")
@@ -873,14 +871,19 @@ def main(argv=None):
     with hold_output_dir(args.output_dir, cli.take_over_lock, world.is_main):  # rank 0 holds it for the run
         if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
             return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
-        if world.is_main:  # a fresh demo first builds its world in a folder of its own: tiny_world.demo_world
-            demo = (SYSTEM_PROMPT, demo_warm_up) if cli.demo and checkpoint is None else None
-            check_before_loading(args, len(SEED_REWARD_FUNCS), fresh_run=checkpoint is None, demo=demo)
+        if world.is_main:  # a fresh demo first builds its world in a folder of its own
+            if cli.demo and checkpoint is None:
+                from tiny_world import demo_world
+
+                args.model_path, args.data_path = demo_world(args.output_dir, SYSTEM_PROMPT, args.overwrite_output_dir)
+            check_before_loading(args, len(SEED_REWARD_FUNCS))
+            if checkpoint is None:  # a fresh run: an earlier run's logs and checkpoints go, or the run is refused
+                claim_output_dir(args.output_dir, args.overwrite_output_dir)
         args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
         try:
             trainer = build_trainer(args)
             if checkpoint:
-                trainer.world.resume(trainer, checkpoint, resume)  # the trainer's World: it holds the sync state
+                resume_run(trainer, checkpoint)
             trainer.train()
         except (ValueError, NoTrainingStep) as error:  # a refused resume, a run that never stepped
             sys.exit(f"error: {error}")

@@ -321,9 +321,9 @@ def run_config(opts, world, name):
             clock[0] = time.perf_counter()
 
         def recorded_train_step(model, inputs, normaliser=None):
-            widths.append(tuple(inputs["prompt_response_ids"].shape))
-            real = int(inputs["attention_mask"].sum())  # a padding-free pass computes these only
-            processed = real if trainer.args.padding_free else inputs["attention_mask"].numel()
+            widths.append(tuple(inputs.prompt_response_ids.shape))
+            real = int(inputs.attention_mask.sum())  # a padding-free pass computes these only
+            processed = real if trainer.args.padding_free else inputs.attention_mask.numel()
             tokens[0], tokens[1], tokens[2] = tokens[0] + real, tokens[1] + processed, max(tokens[2], processed)
             return train_step(model, inputs, normaliser)
 
@@ -512,7 +512,7 @@ def run_loss_check(opts, world, names):
         model, batch = trainer.model, next(trainer.prompt_batches())[0]  # one micro-batch's prompts
         recorded, sample = [], trainer.sample
         trainer.sample = lambda ids, mask: (
-            recorded.append(sample(ids, mask)[:, ids.size(1) :]) or torch.cat([ids, recorded[-1]], 1)
+            recorded.append(sample(ids, mask)[0][:, ids.size(1) :]) or (torch.cat([ids, recorded[-1]], 1), None)
         )
         trainer.generate_experiences(batch)
         responses = recorded[0]  # [B*G, T]
@@ -529,24 +529,23 @@ def run_loss_check(opts, world, names):
 
             def replay(ids, mask):
                 rows = torch.cat([queue.pop(0) for _ in range(ids.size(0))]).to(ids.device)
-                return torch.cat([ids, rows], dim=1)
+                return torch.cat([ids, rows], dim=1), None
 
             t.sample = replay
-            groups = t.generate_experiences(batch)
-            groups.pop("metrics")
+            groups, _ = t.generate_experiences(batch)
             x = t.make_micro_batches(groups)[0]
-            width = x["action_mask"].size(1)
+            width = x.action_mask.size(1)
             with torch.no_grad():
                 lp = t.get_action_log_probs(model, *t.model_inputs(x))
-            x["advantages"] = advantages.to(lp.device)
+            x.advantages = advantages.to(lp.device)
             old = lp[:, :T] + old_offset.to(lp.device) if old is None else old  # the seed's log p, moved a little
-            x["old_action_log_probs"] = F.pad(old, (0, width - T))
+            x.old_action_log_probs = F.pad(old, (0, width - T))
             model.train()
             model.zero_grad(set_to_none=True)
             loss = t.compute_loss(model, x)
             loss.backward()
             grads = [p.grad.detach().clone() for p in model.parameters()]
-            lp = lp[:, :T][x["action_mask"][:, :T].bool()].double()
+            lp = lp[:, :T][x.action_mask[:, :T].bool()].double()
             model.gradient_checkpointing_disable()
             if ref is None:
                 ref = (loss.item(), lp, grads, math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads)))

@@ -105,8 +105,8 @@ def old_log_prob_pass(trainer):
         micro_batches = make_micro_batches(groups)
         with torch.no_grad():
             for inputs in micro_batches:
-                if inputs["old_action_log_probs"] is None:
-                    inputs["old_action_log_probs"] = trainer.get_action_log_probs(
+                if inputs.old_action_log_probs is None:
+                    inputs.old_action_log_probs = trainer.get_action_log_probs(
                         trainer.model, *trainer.model_inputs(inputs)
                     )
         return micro_batches

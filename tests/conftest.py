@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward  # noqa: E402
 from tiny_world import build_tiny_world  # noqa: E402
-from train import GROUP_KEYS, SYSTEM_PROMPT, DapoArguments, DapoTrainer, GSM8KDataset, pad_and_cat_groups  # noqa: E402
+from train import SYSTEM_PROMPT, DapoArguments, DapoTrainer, GSM8KDataset, MicroBatch, pad_and_cat_groups  # noqa: E402
 
 SEED_REWARDS = [correctness_reward, digit_reward, hard_format_reward, mark_reward]
 # Small but real: every test that trains uses these unless it says otherwise.
@@ -95,7 +95,7 @@ def scripted_sampler(trainer, responses):
     def sample(input_ids, attention_mask):
         width = max(len(r) for r in responses)
         rows = [r + [pad] * (width - len(r)) for r in responses]
-        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1), None
 
     trainer.sample = sample
 
@@ -113,10 +113,9 @@ def stub_log_probs(trainer, log_probs):
     trainer.get_action_log_probs = fake
 
 
-def as_micro_batch(trainer, *experiences, old=None, ref=None):
-    """One micro-batch holding every kept group of the given generate_experiences results, padded and
-    concatenated as make_micro_batches does, with the given old / reference log-probs (None by default)."""
-    groups = {key: [x for e in experiences for x in e[key]] for key in GROUP_KEYS}
+def as_micro_batch(trainer, *kept_lists, old=None, ref=None):
+    """One micro-batch holding every kept group of the given generate_experiences results (their kept groups),
+    padded and concatenated as make_micro_batches does, with the given old / reference log-probs (None by default)."""
+    groups = [group for kept in kept_lists for group in kept]
     inputs = pad_and_cat_groups(groups, trainer.tokenizer.pad_token_id)
-    inputs["old_action_log_probs"], inputs["ref_action_log_probs"] = old, ref
-    return inputs
+    return MicroBatch(**inputs, old_action_log_probs=old, ref_action_log_probs=ref)

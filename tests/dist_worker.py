@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from checkpoints import resume  # noqa: E402
+from checkpoints import resume_run  # noqa: E402
 from train import SEED_REWARD_FUNCS, DapoArguments, DapoTrainer, GSM8KDataset  # noqa: E402
 
 scenario, model_dir, data_dir, out = sys.argv[1:5]
@@ -45,7 +45,7 @@ def scripted_sampler(trainer, skip_on_rank=None):
             rows.append(tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
         width = max(map(len, rows))
         rows = [r + [tok.pad_token_id] * (width - len(r)) for r in rows]
-        return torch.cat([input_ids, torch.tensor(rows, device=input_ids.device)], dim=1)
+        return torch.cat([input_ids, torch.tensor(rows, device=input_ids.device)], dim=1), None
 
     trainer.sample = sample
 
@@ -92,15 +92,15 @@ elif scenario == "starved_rank":  # rank 1 keeps no group: rank 0 fills every st
     scripted_sampler(trainer, skip_on_rank=1)
     trainer.train()
     report |= {"steps": trainer.state.update_steps, "history": [r["step"] for r in trainer.history]}
-    report["skipped_groups"] = trainer.state.skipped_groups
+    report["skipped_groups"] = trainer.world.sum(trainer.state.skipped_groups)  # every rank's
     report["num_gen_batches"] = [r.get("num_gen_batches") for r in trainer.history]
     if not trainer.world.fsdp:  # (--fsdp resumes in test_train_py_with_fsdp_saves_resumes_...)
         # Resumed from checkpoint_3 under 2 processes: the skip count goes on from the checkpoint's.
         resumed = make_trainer(out, max_steps=4, **starved)
         scripted_sampler(resumed, skip_on_rank=1)
-        resumed.world.resume(resumed, os.path.join(out, "checkpoint_3"), resume)
+        resume_run(resumed, os.path.join(out, "checkpoint_3"))
         resumed.train()
-        report["skipped_after_resume"] = resumed.state.skipped_groups
+        report["skipped_after_resume"] = resumed.world.sum(resumed.state.skipped_groups)
     # Now every rank skips everything: the max_num_gen_batches error must come on all ranks, at the same round.
     trainer = make_trainer(out + "_starved", max_steps=3, filter_metric="reward", max_num_gen_batches=3)
     scripted_sampler(trainer, skip_on_rank=rank)

@@ -196,3 +196,36 @@ def test_the_checks_catch_a_broken_link_and_an_unaccounted_command():
         "block ['python train.py']: needs 'a TPU', not one of ('GPU', 'weights', 'internet')",
     ]
     assert slug("`DapoArguments`: every field") == "dapoarguments-every-field"
+
+
+def imported_rooms(path, rooms):
+    """The top-level modules (rooms) that the module at path imports, anywhere in it (lazy imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(read(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & rooms
+
+
+def import_circle(graph):
+    """A list of rooms that import each other in a circle ([a, b, a]), or None."""
+
+    def walk(room, path):
+        for other in sorted(graph[room]):
+            if other in path:
+                return path[path.index(other) :] + [other]
+            circle = walk(other, path + [other])
+            if circle:
+                return circle
+
+    return next((c for room in sorted(graph) if (c := walk(room, [room]))), None)
+
+
+def test_the_rooms_import_downward_only():
+    rooms = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")}
+    graph = {room: imported_rooms(f"{room}.py", rooms) - {room} for room in rooms}
+    assert import_circle(graph) is None
+    assert not any("train" in imports for room, imports in graph.items() if room != "train")  # train.py is on top
+    assert import_circle({"cli": {"tiny_world"}, "tiny_world": {"cli"}}) == ["cli", "tiny_world", "cli"]  # it finds one

@@ -119,7 +119,9 @@ def scripted(trainer, texts):
         rows = [token_ids(tok, texts[i % len(texts)]) for i in range(input_ids.size(0))]
         rows = [r + [tok.eos_token_id] if texts[i % len(texts)].endswith("\n") else r for i, r in enumerate(rows)]
         width = max(map(len, rows))
-        return torch.cat([input_ids, torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])], dim=1)
+        return torch.cat(
+            [input_ids, torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])], dim=1
+        ), None
 
     trainer.sample = sample
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from checkpoints import save_checkpoint
 from conftest import SEED_REWARDS
-from train import GROUP_KEYS, DapoArguments, DapoTrainer
+from train import DapoArguments, DapoTrainer
 from tiny_world import make_problems
 
 
@@ -76,18 +76,16 @@ def test_experiences_masks_and_log_probs(trainer):
 def test_generate_experiences_and_evaluate(trainer):
     torch.manual_seed(1)
     rows = [trainer.train_dataset[i] for i in range(3)]
-    exp = trainer.generate_experiences(
+    kept, metrics = trainer.generate_experiences(
         {"prompt": [r["prompt"] for r in rows], "answer": torch.tensor([r["answer"] for r in rows])}
     )
-    for key in GROUP_KEYS:
-        assert len(exp[key]) == len(exp["advantages"])
-    for adv in exp["advantages"]:
-        assert adv.shape == (2,) and adv.count_nonzero() > 0
-    assert len(exp["metrics"]["reward"]) == 6 and trainer.state.skipped_groups + len(exp["advantages"]) == 3
-    if exp["advantages"]:  # num_iterations=2: each micro-batch carries the old log-probs of its groups
-        for inputs in trainer.make_micro_batches({key: exp[key] for key in GROUP_KEYS}):
-            assert inputs["old_action_log_probs"].shape == inputs["action_mask"].shape
-            assert inputs["old_action_log_probs"][inputs["action_mask"].bool()].max() <= 0
+    for group in kept:
+        assert group.advantages.shape == (2,) and group.advantages.count_nonzero() > 0
+    assert len(metrics["reward"]) == 6 and trainer.state.skipped_groups + len(kept) == 3
+    if kept:  # num_iterations=2: each micro-batch carries the old log-probs of its groups
+        for inputs in trainer.make_micro_batches(kept):
+            assert inputs.old_action_log_probs.shape == inputs.action_mask.shape
+            assert inputs.old_action_log_probs[inputs.action_mask.bool()].max() <= 0
     accuracy = trainer.evaluate(num_samples=3, batch_size=3)
     assert 0.0 <= accuracy <= 1.0
 

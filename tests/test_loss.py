@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import stub_log_probs
-from train import aggregate_loss, dapo_per_token_loss, group_advantages, k3_kl, keep_groups
+from train import MicroBatch, aggregate_loss, dapo_per_token_loss, group_advantages, k3_kl, keep_groups
 
 # One group of G=2 responses, T=3 tokens; old log-probs are 0, so the ratio r_t = exp(logp_t).
 RATIOS = torch.tensor([[1.5, 1.1, 0.5], [0.5, 1.5, 2.0]])
@@ -23,14 +23,14 @@ HAND_GRAD = torch.tensor([[0.0, -1.1 / 5, -0.5 / 5], [0.0, 1.5 / 5, 0.0]])
 
 def inputs_for(log_probs, ref=None):
     n, t = log_probs.shape
-    return {
-        "prompt_response_ids": torch.zeros(n, t + 2, dtype=torch.long),
-        "attention_mask": torch.ones(n, t + 2, dtype=torch.long),
-        "action_mask": MASK,
-        "advantages": ADVANTAGES,
-        "old_action_log_probs": torch.zeros(n, t),
-        "ref_action_log_probs": ref,
-    }
+    return MicroBatch(
+        prompt_response_ids=torch.zeros(n, t + 2, dtype=torch.long),
+        attention_mask=torch.ones(n, t + 2, dtype=torch.long),
+        action_mask=MASK,
+        advantages=ADVANTAGES,
+        old_action_log_probs=torch.zeros(n, t),
+        ref_action_log_probs=ref,
+    )
 
 
 def test_clip_low_high_and_unclipped_with_old_log_probs(make_trainer):
@@ -53,7 +53,7 @@ def test_single_iteration_uses_current_log_probs_as_old(make_trainer):
     log_probs = RATIOS.log().requires_grad_()
     stub_log_probs(trainer, log_probs)
     inputs = inputs_for(log_probs)
-    inputs["old_action_log_probs"] = None  # not computed when num_iterations == 1
+    inputs.old_action_log_probs = None  # not computed when num_iterations == 1
     loss = trainer.compute_loss(trainer.model, inputs)
     assert loss.item() == pytest.approx(-0.2, abs=1e-7)
     loss.backward()
@@ -85,9 +85,9 @@ def test_two_groups_are_averaged(make_trainer):
     log_probs = torch.cat([RATIOS.log(), torch.zeros(2, 3)]).requires_grad_()  # group 2: ratio 1
     stub_log_probs(trainer, log_probs)
     inputs = inputs_for(log_probs)
-    inputs["action_mask"] = torch.cat([MASK, torch.tensor([[1, 0, 0], [1, 1, 1]])])
-    inputs["advantages"] = torch.tensor([1.0, -1.0, 2.0, 0.5])
-    inputs["old_action_log_probs"] = torch.zeros(4, 3)
+    inputs.action_mask = torch.cat([MASK, torch.tensor([[1, 0, 0], [1, 1, 1]])])
+    inputs.advantages = torch.tensor([1.0, -1.0, 2.0, 0.5])
+    inputs.old_action_log_probs = torch.zeros(4, 3)
     group2 = (-2.0 * 1 - 0.5 * 3) / 4  # 1 token at A=2, 3 tokens at A=0.5
     loss = trainer.compute_loss(trainer.model, inputs)
     assert loss.item() == pytest.approx((HAND_LOSS + group2) / 2, abs=1e-6)

@@ -88,7 +88,7 @@ def test_aggregate_loss_three_modes_by_hand():
 def step_normaliser(trainer, micro_batches):
     """The loss denominator the trainer gives every micro-batch of a step: the sum of their units."""
     args = trainer.args
-    return sum(loss_normaliser(m["action_mask"], args.loss_agg_mode, args.num_generations) for m in micro_batches)
+    return sum(loss_normaliser(m.action_mask, args.loss_agg_mode, args.num_generations) for m in micro_batches)
 
 
 def step_gradients(trainer, micro_batches, normalisers):
@@ -113,12 +113,12 @@ def test_token_mean_gradient_is_independent_of_accumulation(make_trainer):
     eos, x, y = trainer.tokenizer.eos_token_id, plain_token(trainer, "1"), plain_token(trainer, "2")
     # micro-batch 1: responses of 2 and 5 tokens (7); micro-batch 2: 8 (cut, no EOS) and 3 tokens (11).
     scripted_sampler(trainer, [[x, eos], [x, y, x, y, eos]])
-    first = trainer.generate_experiences(make_batch(trainer, offset=0))
+    first, _ = trainer.generate_experiences(make_batch(trainer, offset=0))
     scripted_sampler(trainer, [[y] * 8, [y, x, eos]])
-    second = trainer.generate_experiences(make_batch(trainer, offset=3))
+    second, _ = trainer.generate_experiences(make_batch(trainer, offset=3))
     micro = [as_micro_batch(trainer, e) for e in (first, second)]
-    assert [int(m["action_mask"].sum()) for m in micro] == [7, 11]
-    assert micro[0]["prompt_response_ids"].shape != micro[1]["prompt_response_ids"].shape  # padding really differs
+    assert [int(m.action_mask.sum()) for m in micro] == [7, 11]
+    assert micro[0].prompt_response_ids.shape != micro[1].prompt_response_ids.shape  # padding really differs
     big = as_micro_batch(trainer, first, second)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     assert step_normaliser(trainer, micro) == step_normaliser(trainer, [big]) == 18  # the step's 7 + 11 tokens
@@ -183,14 +183,14 @@ def test_filter_metric_in_generate_experiences(make_trainer, filter_metric, kept
     trainer = make_trainer(reward_funcs=[correctness_reward, bonus], num_generations=2, filter_metric=filter_metric)
     x = plain_token(trainer)
     scripted_sampler(trainer, [[x, trainer.tokenizer.eos_token_id]] * 8)
-    exp = trainer.generate_experiences(make_batch(trainer, n=4))
+    groups, metrics = trainer.generate_experiences(make_batch(trainer, n=4))
     # advantages of a G=2 group: +-(difference / 2) / (|difference| / sqrt 2) = +-1/sqrt 2, or 0 when equal
     all_advantages = [[INV_SQRT2, -INV_SQRT2], [-INV_SQRT2, INV_SQRT2], [INV_SQRT2, -INV_SQRT2], [0.0, 0.0]]
-    assert len(exp["advantages"]) == len(kept)
-    for advantages, g in zip(exp["advantages"], kept):
-        assert advantages.tolist() == pytest.approx(all_advantages[g], abs=1e-6)
+    assert len(groups) == len(kept)
+    for group, g in zip(groups, kept):
+        assert group.advantages.tolist() == pytest.approx(all_advantages[g], abs=1e-6)
     assert trainer.state.skipped_groups == 4 - len(kept)
-    assert exp["metrics"]["frac_groups_skipped"] == [float(g not in kept) for g in range(4)]
+    assert metrics["frac_groups_skipped"] == [float(g not in kept) for g in range(4)]
 
 
 def test_correctness_filter_with_the_real_reward(make_trainer):
@@ -207,10 +207,10 @@ def test_correctness_filter_with_the_real_reward(make_trainer):
         short = token_ids(tok, f"<answer>\n{answer}\n</answer>\n") + [tok.eos_token_id]
         full = token_ids(tok, f"<think>\n1\n</think>\n<answer>\n{answer}\n</answer>\n") + [tok.eos_token_id]
         scripted_sampler(trainer, [short, full])
-        exp = trainer.generate_experiences(batch)
-        assert exp["metrics"]["rewards/correctness_reward"] == [2.0, 2.0]
-        assert exp["metrics"]["reward"] == [2.75, 3.5]
-        assert len(exp["advantages"]) == expected_kept
+        groups, metrics = trainer.generate_experiences(batch)
+        assert metrics["rewards/correctness_reward"] == [2.0, 2.0]
+        assert metrics["reward"] == [2.75, 3.5]
+        assert len(groups) == expected_kept
 
 
 def test_correctness_filter_needs_correctness_reward(make_trainer):
@@ -266,7 +266,7 @@ def test_num_gen_batches_and_step_tokens_in_the_training_loop(make_trainer):
     micro_steps = []  # (normaliser, this micro-batch's tokens) of every train_step
     original_step = trainer.train_step
     trainer.train_step = lambda model, inputs, normaliser=None: (
-        micro_steps.append((normaliser, int(inputs["action_mask"].sum()))) or original_step(model, inputs, normaliser)
+        micro_steps.append((normaliser, int(inputs.action_mask.sum()))) or original_step(model, inputs, normaliser)
     )
     trainer.train()
     assert trainer.update_steps == 2 and len(rounds) == 8  # 2 steps x 4 rounds
@@ -324,7 +324,7 @@ def test_soft_overlong_punishment_values(make_trainer):
     responses = [[x] * (n - 1) + [eos] for n in lengths]
     responses[5] = [x] * 12
     scripted_sampler(trainer, responses)
-    metrics = trainer.generate_experiences(make_batch(trainer, n=2))["metrics"]
+    _, metrics = trainer.generate_experiences(make_batch(trainer, n=2))
     assert metrics["completions/length"] == lengths
     assert metrics["completions/clipped_ratio"] == [0, 0, 0, 0, 0, 1, 0, 0]  # only the one without EOS was cut
     # L_max = 12, L_cache = 4, expected = 8:  R = 0 if |y| <= 8, (8 - |y|) / 4 up to 12, -1 beyond
@@ -340,7 +340,7 @@ def test_soft_overlong_punishment_values(make_trainer):
     # off (overlong_buffer_len 0): not logged, not added
     trainer = make_trainer(reward_funcs=[zero], max_generate_length=12, filter_metric="none")
     scripted_sampler(trainer, responses)
-    metrics = trainer.generate_experiences(make_batch(trainer, n=2))["metrics"]
+    _, metrics = trainer.generate_experiences(make_batch(trainer, n=2))
     assert "rewards/soft_overlong_punishment" not in metrics and metrics["reward"] == [0.0] * 8
 
 
@@ -359,11 +359,11 @@ def test_overlong_filter_masks_truncated_responses(make_trainer):
         )
         eos, x = trainer.tokenizer.eos_token_id, plain_token(trainer)
         scripted_sampler(trainer, [[x, x, eos], [x] * 6])  # ends after 3 tokens; cut at 6 without EOS
-        exp = trainer.generate_experiences(make_batch(trainer))
-        inputs = as_micro_batch(trainer, exp)
-        assert inputs["attention_mask"][:, -6:].tolist() == [[1, 1, 1, 0, 0, 0], [1] * 6]  # unchanged either way
+        kept, _ = trainer.generate_experiences(make_batch(trainer))
+        inputs = as_micro_batch(trainer, kept)
+        assert inputs.attention_mask[:, -6:].tolist() == [[1, 1, 1, 0, 0, 0], [1] * 6]  # unchanged either way
         truncated_row = [0] * 6 if overlong_filter else [1] * 6
-        assert inputs["action_mask"].tolist() == [[1, 1, 1, 0, 0, 0], truncated_row]
+        assert inputs.action_mask.tolist() == [[1, 1, 1, 0, 0, 0], truncated_row]
         # totals [0, 1] -> advantages [-1/sqrt 2, +1/sqrt 2]; ratio 1, so each token's loss is -A:
         #   row 0: +0.7071 on 3 tokens, row 1 (cut): -0.7071 on 6 tokens
         log_probs = torch.zeros(2, 6, requires_grad=True)
@@ -384,14 +384,14 @@ def test_overlong_filter_fully_masked_group_has_zero_loss(make_trainer):
     trainer = make_trainer(reward_funcs=[varied], num_generations=2, max_generate_length=6, overlong_filter=True)
     x, y = plain_token(trainer, "1"), plain_token(trainer, "2")
     scripted_sampler(trainer, [[x] * 6, [y] * 6])  # both cut: the group is kept (totals 0, 1) but fully masked
-    exp = trainer.generate_experiences(make_batch(trainer))
-    inputs = as_micro_batch(trainer, exp)
-    assert inputs["action_mask"].sum() == 0 and inputs["attention_mask"][:, -6:].sum() == 12
+    kept, _ = trainer.generate_experiences(make_batch(trainer))
+    inputs = as_micro_batch(trainer, kept)
+    assert inputs.action_mask.sum() == 0 and inputs.attention_mask[:, -6:].sum() == 12
     for mode in ("seed", "token-mean", "seq-mean-token-mean"):
         trainer.args.loss_agg_mode = mode
         log_probs = torch.zeros(2, 6, requires_grad=True)
         stub_log_probs(trainer, log_probs)
-        normaliser = loss_normaliser(inputs["action_mask"], mode, 2)  # 0 tokens, 2 responses, 1 group
+        normaliser = loss_normaliser(inputs.action_mask, mode, 2)  # 0 tokens, 2 responses, 1 group
         assert normaliser == {"seed": 1, "token-mean": 0, "seq-mean-token-mean": 2}[mode]
         loss = trainer.compute_loss(trainer.model, inputs, normaliser)
         assert loss.item() == 0.0, mode
@@ -411,12 +411,12 @@ def test_fully_masked_micro_batch_logs_finite_metrics(make_trainer):
     )
     x, y = plain_token(trainer, "1"), plain_token(trainer, "2")
     scripted_sampler(trainer, [[x] * 6, [y] * 6])
-    exp = trainer.generate_experiences(make_batch(trainer))
-    inputs = as_micro_batch(trainer, exp)
+    kept, round_metrics = trainer.generate_experiences(make_batch(trainer))
+    inputs = as_micro_batch(trainer, kept)
     metrics = trainer.train_step(trainer.model, inputs)
     assert metrics["num_tokens"] == 0 and metrics["loss"] == 0.0
     nan = {key: value for key, value in metrics.items() if math.isnan(value)}
-    nan.update({key: values for key, values in exp["metrics"].items() if any(math.isnan(v) for v in values)})
+    nan.update({key: values for key, values in round_metrics.items() if any(math.isnan(v) for v in values)})
     assert not nan, nan
 
 
@@ -425,9 +425,9 @@ def zero_advantage_inputs(trainer):
     """One kept group whose advantages are all 0: every parameter's gradient is exactly 0."""
     x = plain_token(trainer)
     scripted_sampler(trainer, [[x, trainer.tokenizer.eos_token_id]] * trainer.args.num_generations)
-    exp = trainer.generate_experiences(make_batch(trainer))
-    assert not exp["advantages"][0].any()
-    return as_micro_batch(trainer, exp)
+    kept, _ = trainer.generate_experiences(make_batch(trainer))
+    assert not kept[0].advantages.any()
+    return as_micro_batch(trainer, kept)
 
 
 def test_adam_by_default_adamw_with_weight_decay(make_trainer):

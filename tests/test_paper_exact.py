@@ -49,7 +49,7 @@ def test_steps_per_generation_splits_one_rollout_into_optimizer_steps(make_train
 
     def counting_make(groups):
         micro_batches = make(groups)
-        old_passes.append([m["old_action_log_probs"] is not None for m in micro_batches])
+        old_passes.append([m.old_action_log_probs is not None for m in micro_batches])
         return micro_batches
 
     trainer.make_micro_batches = counting_make
@@ -80,7 +80,7 @@ def test_token_mean_normalises_by_each_optimizer_steps_own_tokens(make_trainer):
     seen = []
     original_step = trainer.train_step
     trainer.train_step = lambda model, inputs, normaliser=None: (
-        seen.append((normaliser, int(inputs["action_mask"].sum()))) or original_step(model, inputs, normaliser)
+        seen.append((normaliser, int(inputs.action_mask.sum()))) or original_step(model, inputs, normaliser)
     )
     trainer.train()
     assert [n for n, _ in seen] == [tokens for _, tokens in seen]  # one micro-batch per step: its own count
@@ -120,8 +120,8 @@ def test_equal_rewards_give_exactly_zero_advantages():
 def test_a_group_of_equal_03_rewards_is_skipped_by_the_seeds_rule(make_trainer):
     trainer = make_trainer(reward_funcs=[lambda prompts, responses, answers: [0.3] * len(responses)])
     trainer.args.num_generations = 4
-    experiences = trainer.generate_experiences(make_batch(trainer))
-    assert experiences["advantages"] == [] and trainer.state.skipped_groups == 1
+    kept, _ = trainer.generate_experiences(make_batch(trainer))
+    assert kept == [] and trainer.state.skipped_groups == 1
 
 
 # ---------- 4. KL masked before exp ----------

@@ -44,7 +44,7 @@ def replay(trainer, responses):
     """Replace generation by fixed response ids [N, T] (the same tokens whatever the prompt padding)."""
 
     def sample(input_ids, attention_mask):
-        return torch.cat([input_ids, responses.to(input_ids.device)], dim=1)
+        return torch.cat([input_ids, responses.to(input_ids.device)], dim=1), None
 
     trainer.sample = sample
 
@@ -55,7 +55,7 @@ def record_samples(trainer):
 
     def sample(input_ids, attention_mask):
         out = original(input_ids, attention_mask)
-        seen.append(out[:, input_ids.size(1) :].clone())
+        seen.append(out[0][:, input_ids.size(1) :].clone())
         return out
 
     trainer.sample = sample
@@ -79,9 +79,8 @@ def scripted_responses(tokenizer, rows, width, seed=0):
 def micro_batch(trainer, batch):
     """generate_experiences then make_micro_batches: every kept group of the batch in one micro-batch."""
     torch.manual_seed(0)
-    groups = trainer.generate_experiences(batch)
-    groups.pop("metrics")
-    return trainer.make_micro_batches(groups)[0]
+    kept, _ = trainer.generate_experiences(batch)
+    return trainer.make_micro_batches(kept)[0]
 
 
 def loss_and_grads(trainer, inputs):
@@ -105,7 +104,7 @@ def assert_same_grads(a, b):
 def perturbed_old_log_probs(inputs, T, seed=1):
     """An offset that moves pi_old a little off pi, so that the ratio (and the loss) depend on the log-probs."""
     g = torch.Generator().manual_seed(seed)
-    return 0.3 * torch.randn(inputs["action_mask"].size(0), T, generator=g)
+    return 0.3 * torch.randn(inputs.action_mask.size(0), T, generator=g)
 
 
 # ---------- 1. padding to the longest = padding to the maximum ----------
@@ -128,29 +127,29 @@ def test_pad_to_longest_gives_the_same_log_probs_loss_and_grads(make_trainer, so
     replay(full, responses)
     b = micro_batch(full, batch)
 
-    T = a["action_mask"].size(1)
-    assert T == responses.size(1) <= 8 and b["action_mask"].size(1) == 12
-    assert a["prompt_response_ids"].size(1) - T < 160 and b["prompt_response_ids"].size(1) == 160 + 12
-    assert torch.equal(b["action_mask"][:, :T], a["action_mask"]) and not b["action_mask"][:, T:].any()
-    assert torch.equal(a["advantages"], b["advantages"])
+    T = a.action_mask.size(1)
+    assert T == responses.size(1) <= 8 and b.action_mask.size(1) == 12
+    assert a.prompt_response_ids.size(1) - T < 160 and b.prompt_response_ids.size(1) == 160 + 12
+    assert torch.equal(b.action_mask[:, :T], a.action_mask) and not b.action_mask[:, T:].any()
+    assert torch.equal(a.advantages, b.advantages)
     # The real tokens each row attends to are the same.
     for row in range(8):
         assert torch.equal(
-            a["prompt_response_ids"][row][a["attention_mask"][row].bool()],
-            b["prompt_response_ids"][row][b["attention_mask"][row].bool()],
+            a.prompt_response_ids[row][a.attention_mask[row].bool()],
+            b.prompt_response_ids[row][b.attention_mask[row].bool()],
         )
 
-    mask = a["action_mask"].bool()
+    mask = a.action_mask.bool()
     with torch.no_grad():
-        lp_a = longest.get_action_log_probs(longest.model, a["prompt_response_ids"], a["attention_mask"], T)
-        lp_b = full.get_action_log_probs(full.model, b["prompt_response_ids"], b["attention_mask"], 12)
+        lp_a = longest.get_action_log_probs(longest.model, a.prompt_response_ids, a.attention_mask, T)
+        lp_b = full.get_action_log_probs(full.model, b.prompt_response_ids, b.attention_mask, 12)
     assert (lp_a[mask] - lp_b[:, :T][mask]).abs().max() < 1e-5
     # pi_old as generate_experiences computed it under each padding, the same on real tokens ...
-    assert (a["old_action_log_probs"][mask] - b["old_action_log_probs"][:, :T][mask]).abs().max() < 1e-5
+    assert (a.old_action_log_probs[mask] - b.old_action_log_probs[:, :T][mask]).abs().max() < 1e-5
     # ... then moved off pi by the same amount, so that the loss depends on the log-probs.
     noise = perturbed_old_log_probs(a, T)
-    a["old_action_log_probs"] = a["old_action_log_probs"] + noise
-    b["old_action_log_probs"] = b["old_action_log_probs"] + F.pad(noise, (0, 12 - T))
+    a.old_action_log_probs = a.old_action_log_probs + noise
+    b.old_action_log_probs = b.old_action_log_probs + F.pad(noise, (0, 12 - T))
 
     for mode in ("seed", "token-mean", "seq-mean-token-mean"):
         longest.args.loss_agg_mode = full.args.loss_agg_mode = mode
@@ -168,9 +167,9 @@ def test_selective_log_softmax_equals_the_seeds_full_log_softmax(make_trainer):
     responses = scripted_responses(trainer.tokenizer, 8, 8, seed=3)
     replay(trainer, responses)
     inputs = micro_batch(trainer, make_batch(trainer, 2, offset=2))
-    T = inputs["action_mask"].size(1)
-    inputs["old_action_log_probs"] = inputs["old_action_log_probs"] + perturbed_old_log_probs(inputs, T)
-    ids, attention = inputs["prompt_response_ids"], inputs["attention_mask"]
+    T = inputs.action_mask.size(1)
+    inputs.old_action_log_probs = inputs.old_action_log_probs + perturbed_old_log_probs(inputs, T)
+    ids, attention = inputs.prompt_response_ids, inputs.attention_mask
     results = {}
     for efficient in (True, False):
         if not efficient:
@@ -423,7 +422,7 @@ def test_batch_generation_same_samples_as_one_call_per_prompt(make_trainer, pad_
             for ids, mask in zip(input_ids, attention_mask):
                 index = prompt_tokens.index(tuple(ids[mask.bool()].tolist()))  # which prompt this row belongs to
                 rows.append(responses[index * G + len(rows) % G])
-            return torch.cat([input_ids, torch.stack(rows)], dim=1)
+            return torch.cat([input_ids, torch.stack(rows)], dim=1), None
 
         trainer.sample = sample
 

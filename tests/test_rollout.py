@@ -12,7 +12,7 @@ from distributed import World
 from conftest import as_micro_batch, make_batch, scripted_sampler, token_ids
 from kernels import generate_sharing_prompts
 from packing import balanced_micro_batches, pack_sequences
-from train import GROUP_KEYS, loss_normaliser
+from train import loss_normaliser
 from transformers import TopKLogitsWarper
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -34,15 +34,14 @@ def run_recording_rollouts(trainer, one_call_per_batch):
     tail = token_ids(trainer.tokenizer, "<answer>\n")
 
     def sample(input_ids, attention_mask):  # the same response for every copy of a prompt: the prompt decides
-        return torch.cat([input_ids, torch.tensor(tail + [eos]).expand(len(input_ids), -1)], dim=1)
+        return torch.cat([input_ids, torch.tensor(tail + [eos]).expand(len(input_ids), -1)], dim=1), None
 
     calls, rollouts, generate_samples, make_micro_batches = [], [], trainer.generate_samples, trainer.make_micro_batches
     trainer.sample = sample
     trainer.generate_samples = lambda inputs: calls.append(len(inputs["prompt"])) or generate_samples(inputs)
 
     def recording(groups):
-        rows = zip(groups["prompt_response_ids"], groups["attention_mask"])
-        rollouts.append([ids[0][mask[0].bool()].tolist() for ids, mask in rows])
+        rollouts.append([group.prompt_response_ids[0][group.attention_mask[0].bool()].tolist() for group in groups])
         return make_micro_batches(groups)
 
     trainer.make_micro_batches = recording
@@ -82,13 +81,13 @@ def test_a_group_sampled_with_others_keeps_its_own_width(make_trainer):
     rows = [torch.randint(20, 100, (n - 1,), generator=g).tolist() + [eos] for n in (1, 3, 2, 3, 9, 5, 12, 7)]
     batch = make_batch(trainer, 2, varied=True)  # two prompt lengths
     scripted_sampler(trainer, rows)
-    together = trainer.generate_experiences(batch)
-    assert [mask.size(1) for mask in together["action_mask"]] == [3, 12]  # the call was 12 wide for both
+    together, _ = trainer.generate_experiences(batch)
+    assert [group.action_mask.size(1) for group in together] == [3, 12]  # the call was 12 wide for both
     for i in range(2):
         scripted_sampler(trainer, rows[4 * i : 4 * i + 4])
-        alone = trainer.generate_experiences({key: value[i : i + 1] for key, value in batch.items()})
-        for key in GROUP_KEYS:
-            assert torch.equal(together[key][i], alone[key][0]), key
+        (alone,), _ = trainer.generate_experiences({key: value[i : i + 1] for key, value in batch.items()})
+        for key in ("prompt_response_ids", "attention_mask", "action_mask", "advantages"):
+            assert torch.equal(getattr(together[i], key), getattr(alone, key)), key
 
 
 # ---------- 3. packed (padding-free) training passes ----------
@@ -101,8 +100,8 @@ def scripted_micro_batch(trainer):
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(20, 100, (n,), generator=g).tolist()[: n - 1] + [eos] * (n < 12) for n in LENGTHS]
     scripted_sampler(trainer, [r + [tok.pad_token_id] * (12 - len(r)) for r in rows])
-    experiences = trainer.generate_experiences(make_batch(trainer, 2, varied=True))
-    return as_micro_batch(trainer, experiences)
+    kept, _ = trainer.generate_experiences(make_batch(trainer, 2, varied=True))
+    return as_micro_batch(trainer, kept)
 
 
 def test_padding_free_equals_the_padded_pass(make_trainer):
@@ -110,19 +109,17 @@ def test_padding_free_equals_the_padded_pass(make_trainer):
     packed = make_trainer(batch_size=2, reward_funcs=[varied], loss_agg_mode="token-mean", padding_free=True)
     packed.model = model = padded.model
     inputs = scripted_micro_batch(padded)
-    mask = inputs["action_mask"].bool()  # [8, 12]
-    assert mask.sum(1).tolist() == LENGTHS and inputs["attention_mask"].size(1) > inputs["attention_mask"].sum(1).min()
+    mask = inputs.action_mask.bool()  # [8, 12]
+    assert mask.sum(1).tolist() == LENGTHS and inputs.attention_mask.size(1) > inputs.attention_mask.sum(1).min()
     ids, forward, labels, where = pack_sequences(*padded.model_inputs(inputs))
-    assert (
-        ids.shape == (1, inputs["attention_mask"].sum()) and torch.equal(where, mask) and labels.numel() == sum(LENGTHS)
-    )
-    inputs["old_action_log_probs"] = None
+    assert ids.shape == (1, inputs.attention_mask.sum()) and torch.equal(where, mask) and labels.numel() == sum(LENGTHS)
+    inputs.old_action_log_probs = None
     results = []
     for trainer in (padded, packed):
         with torch.no_grad():
             log_probs, entropy = trainer.get_action_log_probs(model, *trainer.model_inputs(inputs), with_entropy=True)
-        if inputs["old_action_log_probs"] is None:  # pi_old: the padded pass's, moved a little, so that clipping acts
-            inputs["old_action_log_probs"] = log_probs + 0.3 * torch.randn(log_probs.shape, generator=GEN)
+        if inputs.old_action_log_probs is None:  # pi_old: the padded pass's, moved a little, so that clipping acts
+            inputs.old_action_log_probs = log_probs + 0.3 * torch.randn(log_probs.shape, generator=GEN)
         model.zero_grad()
         loss = trainer.compute_loss(model, inputs)
         loss.backward()
@@ -137,10 +134,10 @@ def test_padding_free_equals_the_padded_pass(make_trainer):
 def test_padding_free_sequences_do_not_attend_to_each_other(make_trainer):
     trainer = make_trainer(batch_size=2, reward_funcs=[varied], padding_free=True)
     inputs = scripted_micro_batch(trainer)
-    ids, mask = inputs["prompt_response_ids"], inputs["attention_mask"]
+    ids, mask = inputs.prompt_response_ids, inputs.attention_mask
     changed = ids.clone()
     changed[0, -12] = (changed[0, -12] + 1) % 100  # row 0's first response token: every later token sees it
-    T, where = inputs["action_mask"].size(1), inputs["action_mask"].bool()
+    T, where = inputs.action_mask.size(1), inputs.action_mask.bool()
     with torch.no_grad():
         before, after = (trainer.get_action_log_probs(trainer.model, x, mask, T) for x in (ids, changed))
         packed = [pack_sequences(x, mask, T) for x in (ids, changed)]  # the same row with a 2-D mask of ones
@@ -192,7 +189,7 @@ def test_shared_prompt_pass_samples_generates_distribution(make_trainer):
     prompt_ids, prompt_mask = trainer.encode_prompts(make_batch(trainer, 2, varied=True)["prompt"])  # [2, P]
     ids, mask = prompt_ids.repeat_interleave(n, dim=0), prompt_mask.repeat_interleave(n, dim=0)
     torch.manual_seed(0)
-    drawn = trainer.sample(ids, mask)[:, -1].view(2, n)  # [2, n]
+    drawn = trainer.sample(ids, mask)[0][:, -1].view(2, n)  # [2, n]
     with torch.no_grad():
         position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         logits = trainer.model(prompt_ids, attention_mask=prompt_mask, position_ids=position_ids).logits[:, -1]
@@ -226,24 +223,23 @@ def test_make_micro_batches_balances_real_tokens_with_the_same_normaliser(make_t
     experiences = []
     for n in (90, 60, 1, 30):  # response tokens of each group's 4 rows
         scripted_sampler(trainer, [[30] * (n - 1) + [eos]] * 4)
-        experiences.append(trainer.generate_experiences(make_batch(trainer, 1, offset=len(experiences))))
-    groups = {key: [x for e in experiences for x in e[key]] for key in ("prompt_response_ids", "attention_mask")}
-    groups |= {key: [x for e in experiences for x in e[key]] for key in ("action_mask", "advantages")}
-    real = [int(m.sum()) for m in groups["attention_mask"]]
+        experiences.append(trainer.generate_experiences(make_batch(trainer, 1, offset=len(experiences)))[0])
+    groups = [group for kept in experiences for group in kept]
+    real = [int(group.attention_mask.sum()) for group in groups]
     assert real[0] > real[1] > real[3] > real[2]  # prompts differ by less than the responses
     micro_batches = trainer.make_micro_batches(groups)
-    response_tokens = [int(m["action_mask"].sum()) for m in micro_batches]
+    response_tokens = [int(m.action_mask.sum()) for m in micro_batches]
     assert response_tokens == [4 * (90 + 1), 4 * (60 + 30)]  # groups [0, 2] and [1, 3]; in order: 600 and 124
-    assert [int(m["attention_mask"].sum()) for m in micro_batches] == [real[0] + real[2], real[1] + real[3]]
-    assert sum(loss_normaliser(m["action_mask"], "token-mean", 4) for m in micro_batches) == 4 * 181  # the step's
+    assert [int(m.attention_mask.sum()) for m in micro_batches] == [real[0] + real[2], real[1] + real[3]]
+    assert sum(loss_normaliser(m.action_mask, "token-mean", 4) for m in micro_batches) == 4 * 181  # the step's
     in_order = [4 * (90 + 60), 4 * (1 + 30)]  # consecutive groups [0, 1] and [2, 3], as the seed has them
     trainer.args.padding_free = False
     padded = trainer.make_micro_batches(groups)
-    assert [int(m["action_mask"].sum()) for m in padded] == in_order
-    assert [m["action_mask"].size(1) for m in padded] == [90, 30]  # balanced, both would be 90 wide
+    assert [int(m.action_mask.sum()) for m in padded] == in_order
+    assert [m.action_mask.size(1) for m in padded] == [90, 30]  # balanced, both would be 90 wide
     trainer.args.padding_free = True
     use_seed_paths(trainer, "arrival_order")  # the benchmark's seed path
-    assert [int(m["action_mask"].sum()) for m in trainer.make_micro_batches(groups)] == in_order
+    assert [int(m.action_mask.sum()) for m in trainer.make_micro_batches(groups)] == in_order
 
 
 def test_rounds_to_sample_and_generation_batch_size():
@@ -261,7 +257,7 @@ def test_max_generation_rows_splits_a_call_into_whole_groups(make_trainer):
     def sample(input_ids, attention_mask):  # call 1 ends every row by EOS within 3 tokens; call 2 runs 6, no EOS
         calls.append(len(input_ids))
         rows = [[eos, pad, pad], [30, eos, pad], [30, 30, eos], [30, 30, eos]] if len(calls) == 1 else [[30] * 6] * 4
-        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1), None
 
     trainer.sample = sample
     samples = trainer.generate_samples(make_batch(trainer, 2))

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
 from conftest import as_micro_batch, make_batch, scripted_sampler, token_ids
-from train import GROUP_KEYS, DapoArguments, GSM8KDataset, Samples, selective_log_softmax
+from train import DapoArguments, GSM8KDataset, Samples, selective_log_softmax
 
 
 def varied(prompts, responses, answers):
@@ -107,18 +107,18 @@ def test_reward_weights_none_rewards_and_advantages(make_trainer):
         return [None, 2.0, None, None]
 
     trainer = make_trainer(reward_funcs=[f1, f2], reward_weights=[1.0, 0.5])
-    exp = trainer.generate_experiences(make_batch(trainer))
+    kept, metrics = trainer.generate_experiences(make_batch(trainer))
     # totals: [1, 0.5*2, 0, 0] = [1, 1, 0, 0]; mean 0.5, unbiased std sqrt(1/3)
     std = math.sqrt(1 / 3)
     expected = torch.tensor([0.5, 0.5, -0.5, -0.5]) / (std + 1e-8)
-    assert len(exp["advantages"]) == 1
-    assert torch.allclose(exp["advantages"][0], expected, atol=1e-6)
-    assert not torch.isnan(exp["advantages"][0]).any()
+    assert len(kept) == 1
+    assert torch.allclose(kept[0].advantages, expected, atol=1e-6)
+    assert not torch.isnan(kept[0].advantages).any()
     # the per-function log keeps None as NaN (a nan-aware mean skips it); the total counts it as 0
-    f1, f2 = exp["metrics"]["rewards/f1"], exp["metrics"]["rewards/f2"]
+    f1, f2 = metrics["rewards/f1"], metrics["rewards/f2"]
     assert f1[0] == 1.0 and f1[2] == 0.0 and math.isnan(f1[1]) and math.isnan(f1[3])
     assert math.isnan(f2[0]) and f2[1] == 2.0 and math.isnan(f2[2]) and math.isnan(f2[3])
-    assert exp["metrics"]["reward"] == [1.0, 1.0, 0.0, 0.0]
+    assert metrics["reward"] == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_equal_rewards_skip_the_group_and_count_it(make_trainer):
@@ -129,15 +129,15 @@ def test_equal_rewards_skip_the_group_and_count_it(make_trainer):
         return [1.0] * 4 if len(calls) % 2 else [0.0, 1.0, 2.0, 3.0]
 
     trainer = make_trainer(reward_funcs=[alternating])
-    first = trainer.generate_experiences(make_batch(trainer))
-    assert first["advantages"] == [] and first["prompt_response_ids"] == [] and trainer.state.skipped_groups == 1
-    assert first["metrics"]["frac_groups_skipped"] == [1.0]
-    second = trainer.generate_experiences(make_batch(trainer))
-    assert len(second["advantages"]) == 1 and trainer.state.skipped_groups == 1
-    assert second["metrics"]["frac_groups_skipped"] == [0.0]
+    first, metrics = trainer.generate_experiences(make_batch(trainer))
+    assert first == [] and trainer.state.skipped_groups == 1
+    assert metrics["frac_groups_skipped"] == [1.0]
+    second, metrics = trainer.generate_experiences(make_batch(trainer))
+    assert len(second) == 1 and trainer.state.skipped_groups == 1
+    assert metrics["frac_groups_skipped"] == [0.0]
     # num_iterations 1, beta 0: a micro-batch carries no old or reference log-probs
-    (micro_batch,) = trainer.make_micro_batches({key: second[key] for key in GROUP_KEYS})
-    assert micro_batch["old_action_log_probs"] is None and micro_batch["ref_action_log_probs"] is None
+    (micro_batch,) = trainer.make_micro_batches(second)
+    assert micro_batch.old_action_log_probs is None and micro_batch.ref_action_log_probs is None
 
 
 def test_old_log_probs_only_when_batches_are_reused(make_trainer):
@@ -147,22 +147,23 @@ def test_old_log_probs_only_when_batches_are_reused(make_trainer):
         calls = []
         original = trainer.get_action_log_probs
         trainer.get_action_log_probs = lambda model, *a, **k: calls.append(model) or original(model, *a, **k)
-        exp = trainer.generate_experiences(make_batch(trainer, n=2))
-        assert calls == [] and set(exp) == {*GROUP_KEYS, "metrics"}  # sampling computes no log-probs
-        micro_batches = trainer.make_micro_batches({key: exp[key] for key in GROUP_KEYS})
+        kept, _ = trainer.generate_experiences(make_batch(trainer, n=2))
+        assert calls == [] and len(kept) == 2  # sampling computes no log-probs
+        micro_batches = trainer.make_micro_batches(kept)
         assert len(micro_batches) == 2 and len(calls) == expected_calls
         assert sum(model is trainer.ref_model for model in calls) == (2 if beta else 0)
         for inputs in micro_batches:
             for key, wanted in (("old_action_log_probs", num_iterations > 1), ("ref_action_log_probs", beta > 0)):
                 if not wanted:
-                    assert inputs[key] is None, key
+                    assert getattr(inputs, key) is None, key
                     continue
                 # computed on the assembled micro-batch, with the model it names
                 model = trainer.model if key.startswith("old") else trainer.ref_model
-                ids, mask = inputs["prompt_response_ids"], inputs["attention_mask"]
+                ids, mask = inputs.prompt_response_ids, inputs.attention_mask
                 with torch.no_grad():
-                    direct = original(model, ids, mask, inputs["action_mask"].size(1))
-                assert inputs[key].shape == inputs["action_mask"].shape and torch.equal(inputs[key], direct), key
+                    direct = original(model, ids, mask, inputs.action_mask.size(1))
+                assert getattr(inputs, key).shape == inputs.action_mask.shape, key
+                assert torch.equal(getattr(inputs, key), direct), key
 
 
 def test_reward_model_given_as_a_path(make_trainer, world, tmp_path):
@@ -252,7 +253,7 @@ def test_batch_size_and_iterations(make_trainer):
     seen = []
     original = trainer.compute_loss
     trainer.compute_loss = lambda model, inputs, *a, **k: (
-        seen.append(inputs["prompt_response_ids"].size(0)) or original(model, inputs, *a, **k)
+        seen.append(inputs.prompt_response_ids.size(0)) or original(model, inputs, *a, **k)
     )
     trainer.train()
     # 32 prompts / 2 per micro-batch = 16 micro-batches = 8 sampled steps, each trained twice
@@ -279,7 +280,7 @@ def test_bf16_checkpoint_trains_in_float32(world, make_trainer, tmp_path):
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     before = trainer.model.model.embed_tokens.weight.detach().clone()
     for step in range(2):  # one optimizer step of gradient_accumulation_steps = 2 micro-batches
-        inputs = as_micro_batch(trainer, trainer.generate_experiences(make_batch(trainer, offset=step)))
+        inputs = as_micro_batch(trainer, trainer.generate_experiences(make_batch(trainer, offset=step))[0])
         trainer.train_step(trainer.model, inputs, normaliser=2)
     assert torch.equal(trainer.model.model.embed_tokens.weight, before)  # train_step does not step
     trainer.optimizer.step()
@@ -297,7 +298,7 @@ def test_evaluate_small_eval_set_and_response_slicing(make_trainer):
         rows = [token_ids(tok, f"<answer>\n{next(answers)}\n</answer>\n") + [tok.eos_token_id] for _ in input_ids]
         width = max(len(r) for r in rows)
         rows = [r + [tok.pad_token_id] * (width - len(r)) for r in rows]
-        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1), None
 
     trainer.sample = sample
     assert len(trainer.eval_dataset) == 8

