@@ -10,18 +10,19 @@ text with delimiters of its own ($, \\(, \\[, \\boxed) as math-verify finds it. 
 math-verify's verify (it is not symmetric).
 
 Time limits. math-verify's own timeouts arm signal.alarm inside parse and verify: only the main thread may, and its
-alarm would replace reward_timeout's (reward_func.time_limit). So they are off (parsing_timeout=None,
-timeout_seconds=None) and each parse and each comparison runs under time_limit(CHECK_SECONDS) instead: in the main
-thread, where the trainer scores and evaluates, a check past it is "not correct" and counts in metrics.jsonl as
-reward_timeouts/NAME of the reward function that made it; in other threads it runs without a limit. A check that
-raises is "not correct" too and counts as reward_errors/NAME.
+alarm would replace reward_timeout's (time_limits.time_limit). So they are off (parsing_timeout=None and
+timeout_seconds=None) and each parse and each comparison runs under time_limit(CHECK_SECONDS) instead: in the
+main thread, where the trainer scores and evaluates, a check past it is "not correct" and counts in metrics.jsonl
+as reward_timeouts/NAME of the reward function that made it; in other threads it runs without a limit. A check
+that raises is "not correct" too and counts as reward_errors/NAME.
 """
 
 import logging
 
 from math_verify import parse, verify
 
-from reward_func import ANSWER_REGEX, CHECK_FAILURES, AnswerChecker, TimeLimitExpired, normalize_answer, time_limit
+from reward_func import ANSWER_REGEX, CHECK_FAILURES, AnswerChecker, normalize_answer
+from time_limits import TimeLimitExpired, time_limit
 
 CHECK_SECONDS = 5  # per parse and per comparison: math-verify's own default
 DELIMITERS = ("$", "\\(", "\\[", "\\boxed")

@@ -11,18 +11,16 @@ from soft to hard, so that a model gets a learning signal before it can solve an
     mark_reward          0.5    dense, soft    0.125 for each tag+newline that occurs exactly once
 """
 
-import contextlib
 import math
 import re
-import signal
-import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
 import torch
+
+from time_limits import TimeLimitExpired, time_limit
 
 ANSWER_REGEX = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # The seed's number regex was r"\d+\.\d+|\d+/\d+|\d+" (decimal | fraction | integer). It also
@@ -253,11 +251,6 @@ class RewardTimeoutError(ValueError):
     """A reward function ran past reward_timeout: one line (train.py's main), naming it."""
 
 
-class TimeLimitExpired(BaseException):
-    """A time_limit block ran past its limit. A BaseException, so that the code it interrupts (a user's
-    `except Exception`, math-verify's) does not swallow it."""
-
-
 class RewardCallExpired(TimeLimitExpired):
     """A reward function's call ran past reward_timeout."""
 
@@ -265,41 +258,6 @@ class RewardCallExpired(TimeLimitExpired):
 # Answer checks (math_checker's) that raised or ran past their limit in this process: {"raised": n, "timed_out": n}.
 # reward_column counts the ones made during each reward function's call, per function, for metrics.jsonl.
 CHECK_FAILURES = Counter()
-DEADLINES = []  # the open time_limit blocks, innermost last: (monotonic deadline, TimeLimitExpired class)
-
-
-@contextlib.contextmanager
-def time_limit(seconds, expired=TimeLimitExpired):
-    """Raise `expired` in the block once it runs past `seconds` (0: no limit). The alarm is SIGALRM's, which only the
-    main thread receives: in other threads the block runs without a limit. Blocks nest (a check's limit inside a
-    reward call's): each expires at its own deadline, the outer one first when both have passed."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGALRM, raise_expired) if not DEADLINES else None
-    DEADLINES.append((time.monotonic() + seconds, expired))
-    arm_alarm()
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        DEADLINES.pop()
-        if DEADLINES:
-            arm_alarm()
-        else:
-            signal.signal(signal.SIGALRM, previous)
-
-
-def arm_alarm():
-    """SIGALRM at the nearest open deadline (at once if it has passed)."""
-    signal.setitimer(signal.ITIMER_REAL, max(min(d for d, _ in DEADLINES) - time.monotonic(), 1e-4))
-
-
-def raise_expired(signum, frame):
-    passed = [expired for deadline, expired in DEADLINES if deadline <= time.monotonic()]
-    if passed:
-        raise passed[0]()
-    arm_alarm()  # early (a clock's rounding): wait for the deadline
 
 
 def reward_column(name, reward_func, reward_tokenizer, prompts, responses, answers, device, timeout=0, failures=None):

@@ -190,7 +190,7 @@ def test_each_refusal_is_one_line_before_a_model_loads(world, tmp_path, own_rewa
         "--question_column=problem": "lacks the column(s) ['problem'] of swulling/gsm8k_chinese; it has",
         "--reward_funcs=correctness_reward,no_such_reward": "reward function 'no_such_reward': reward_func has no "
         "function 'no_such_reward'; give your own as module:function",
-        "--reward_funcs=no_such_module_32:f": "reward function 'no_such_module_32:f': cannot import 'no_such_module_32'",
+        "--reward_funcs=no_such_module_32:f": "reward function 'no_such_module_32:f': cannot import 'no_such_module_",
         "--reward_funcs=own_rewards_32:trl_style": "reward function 'own_rewards_32:trl_style' takes (completions, "
         "**kwargs); a reward function takes (prompts, responses, answers)",
         "--reward_funcs=own_rewards_32:one_value": "reward function one_value returned 1 values for 2 responses",
