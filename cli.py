@@ -10,13 +10,12 @@ import math
 import os
 import sys
 import typing
-import warnings
 
-import datasets
 import torch
 from transformers import HfArgumentParser
 
 from checkpoints import checkpoint_arguments, checkpoint_path, find_checkpoint, find_checkpoints
+from data import load_split
 from run_dir import LOCK_FILE
 
 
@@ -45,6 +44,14 @@ def check_arguments(args):
         (all(isinstance(w, (int, float)) for w in args.reward_weights or []), "reward_weights must be numbers"),
         (tracker is None or importlib.util.find_spec(tracker), f"report_to={tracker!r} needs: pip install {tracker}"),
         (vllm or importlib.util.find_spec("vllm"), "use_vllm needs vLLM: pip install -r requirements-vllm.txt"),
+        (
+            args.answer_checker != "math_verify" or importlib.util.find_spec("math_verify"),
+            "answer_checker='math_verify' needs math-verify: pip install -r requirements-math.txt",
+        ),
+        (
+            args.answer_format != "latex" or args.answer_checker == "math_verify",
+            "answer_format='latex' needs answer_checker='math_verify' (the number checker reads \\frac{3}{4} as 4)",
+        ),
         (vllm or not args.model_path.endswith(".gguf"), "use_vllm cannot load a .gguf model: convert it first"),
         (vllm or processes == 1, "use_vllm does not run under torchrun yet"),
         (
@@ -60,64 +67,6 @@ def check_arguments(args):
     errors += [message for ok, message in checks if not ok]
     if errors:
         raise ValueError("invalid DapoArguments: " + "; ".join(errors))
-
-
-def load_split(data_path, split, test_size, columns):
-    """One split of a local Hugging Face data set folder, with `columns` (question, answer) and no empty answer.
-    Without a "test" split, a fixed random test_size rows of "train" are held out as "test" (test_size 0: none)."""
-    if not os.path.isdir(data_path):
-        raise FileNotFoundError(
-            f"data set folder {data_path!r} does not exist. Download it with `hf download swulling/gsm8k_chinese "
-            f"--repo-type dataset --local-dir {data_path}` (or from ModelScope), or set --data_path."
-        )
-    try:
-        data = datasets.load_dataset(data_path)
-    except Exception as error:  # datasets wraps Arrow's errors: an empty parquet file, splits of other types
-        data = load_splits_apart(data_path, split, error)
-    if "test" not in data and "train" in data and test_size:
-        data = data["train"].train_test_split(test_size=test_size, seed=0)
-    if split not in data:
-        raise ValueError(f"data set {data_path!r} has no split {split!r}; it has {sorted(data)}.")
-    rows, found, where = data[split], data[split].column_names, f"split {split!r} of {data_path!r}"
-    missing = [c for c in columns if c not in found]
-    if missing:
-        raise ValueError(f"{where} lacks the column(s) {missing} of swulling/gsm8k_chinese; it has {found}")
-    if len(rows) == 0:
-        raise ValueError(f"{where} is empty; GSM8KDataset needs question/answer rows")
-    null_rows = [i for i, answer in enumerate(rows[columns[-1]]) if answer is None]
-    if null_rows:
-        raise ValueError(f"{where} has no {columns[-1]} in rows {null_rows[:10]}: fill or drop them")
-    return rows
-
-
-def load_splits_apart(data_path, split, error):
-    """The data set's splits read one by one, for splits whose columns differ (datasets reads a folder's
-    splits under one schema): a warning names the columns in which `split` differs from "train". A split that
-    does not read by itself either gets the one line of an empty or damaged file."""
-    try:
-        builder = datasets.load_dataset_builder(data_path)
-        files = builder.config.data_files
-        data = {name: datasets.load_dataset(builder.name, data_files={name: files[name]}, split=name) for name in files}
-    except Exception:  # noqa: BLE001 - the first error is the one to report
-        cause = f"{error.__cause__ or error} (an empty or damaged file?)"
-        raise ValueError(f"cannot read the data set in {data_path!r}: {cause}") from error
-    if split in data and split != "train" and "train" in data:
-        differ = column_differences(data[split].features, data["train"].features)
-        warnings.warn(
-            f"split {split!r} of {data_path!r} differs from 'train': {differ} (each split is read on its own)"
-        )
-    return data
-
-
-def column_differences(features, train_features):
-    """'answer_only is string there, int64 in train; source is only there': how a split's columns differ."""
-    differ = [
-        f"{c} is {t.dtype} there, {train_features[c].dtype} in train"
-        for c, t in features.items()
-        if c in train_features and t != train_features[c]
-    ]
-    differ += [f"{c} is only there" for c in features if c not in train_features]
-    return "; ".join(differ + [f"{c} is only in train" for c in train_features if c not in features])
 
 
 def help_only(arguments_class):
@@ -144,6 +93,7 @@ def parse_cli(arguments_class, argv=None):
     parser.add_argument("--plot", metavar="DIR", help="draw DIR/curves.png from an existing output folder, then exit")
     parser.add_argument("--eval_only", action="store_true", help="evaluate model_path on the test split, no training")
     parser.add_argument("--compare", metavar="MODEL", help="with --eval_only: a second model, in a before/after table")
+    parser.add_argument("--check_rewards", action="store_true", help="score each reference answer as a response, exit")
     parser.add_argument("--take_over_lock", action="store_true", help=f"take over {LOCK_FILE} of a run that has ended")
     fields = [f.name for f in dataclasses.fields(arguments_class)]
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -188,7 +138,7 @@ def download_help(args):
 def check_before_loading(args, num_reward_funcs):
     """The model and data folders exist and reward_weights fit the reward functions; else exit with one line
     naming the problem and its fix."""
-    if not os.path.exists(args.model_path) or not os.path.isdir(args.data_path):
+    if not os.path.exists(args.model_path) or not os.path.exists(args.data_path):
         sys.exit(
             f"Model folder {args.model_path!r} or data set folder {args.data_path!r} not found.\n" + download_help(args)
         )
@@ -216,12 +166,13 @@ def eval_model(path, flag):
     )
 
 
-def check_eval_only(args, compare, columns):
+def check_eval_only(args, compare):
     """--eval_only's checks before anything loads, each exiting with one line: the model(s) exist, the data set
     has a test split with rows and the columns. Returns the model paths to evaluate."""
     models = [eval_model(args.model_path, "--model_path")] + ([eval_model(compare, "--compare")] if compare else [])
     try:
-        load_split(args.data_path, "test", 0, columns)  # 0: no test rows held out of train, the real test split
+        columns = (args.question_column, args.answer_column)  # 0: no test rows held out of train, the real test split
+        load_split(args.data_path, "test", 0, columns, args.answer_format)
     except (FileNotFoundError, ValueError) as error:
         sys.exit(f"error: --eval_only evaluates on the test split: {error}")
     return models

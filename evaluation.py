@@ -18,6 +18,8 @@ with the seed's eval/accuracy for accuracy_strict):
                            Chen et al. 2021, 1 - C(n - c, k) / C(n, k), from n = k samples of which c are right
     maj@k_strict, maj@k_lenient     share of problems whose most frequent extracted answer (compared as numbers;
                            a tie goes to the answer written first) is right
+Answers are read and compared by the run's answer checker (--answer_checker): the rules above are the number
+checker's, the seed's; with math_verify, math_checker.py's (the answer tags' text; math-verify's final answer).
 """
 
 import dataclasses
@@ -31,11 +33,9 @@ from torch.utils.data import DataLoader
 from transformers import LogitsProcessorList
 
 from curves import read_accuracies
-from reward_func import STRICT_FORMAT_REGEX, example_records, extract_answer, extract_answer_lenient, normalize_answer
-from reward_func import parse_number
-from reward_func import same_answer
+from reward_func import NUMBER_CHECKER, STRICT_FORMAT_REGEX, example_records, normalize_answer
 
-RULES = {"strict": extract_answer, "lenient": extract_answer_lenient}
+RULES = ("strict", "lenient")  # the answer checker's extract and extract_lenient (reward_func.AnswerChecker)
 
 
 def pass_at_k(n, c, k):
@@ -44,35 +44,33 @@ def pass_at_k(n, c, k):
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def majority_answer(extracted):
-    """The most frequent of the extracted answers ("" skipped), numbers compared as numbers ("5.0" is "5");
-    a tie goes to the answer written first. "" when none was found."""
-    found = [answer for answer in extracted if answer]
-    if not found:
-        return ""
-    key = lambda answer: parse_number(answer) if parse_number(answer) is not None else answer  # noqa: E731
-    votes = Counter(key(answer) for answer in found)  # most_common keeps first-seen order among ties
-    winner = votes.most_common(1)[0][0]
-    return next(answer for answer in found if key(answer) == winner)
+def majority_answer(extracted, same=NUMBER_CHECKER.same):
+    """The most frequent of the extracted answers ("" skipped), equal answers counted together as the answer checker
+    compares them (numbers as numbers: "5.0" is "5"); a tie goes to the answer written first. "" when none."""
+    votes = Counter()  # first of its kind: votes, in first-seen order (most_common keeps it among ties)
+    for answer in filter(None, extracted):
+        votes[next((first for first in votes if same(first, answer)), answer)] += 1
+    return votes.most_common(1)[0][0] if votes else ""
 
 
-def problem_record(question, answer, responses, lengths, truncated):
+def problem_record(question, answer, responses, lengths, truncated, checker=NUMBER_CHECKER):
     """One problem for eval_samples.jsonl: the question, the reference answer, and each response with what each
-    rule extracted and whether it is right, its layout, its length in tokens and whether it was cut off."""
-    answer = normalize_answer(answer)
+    rule of the answer checker extracted and whether it is right, its layout, its length in tokens and whether
+    it was cut off."""
+    answer, extract = normalize_answer(answer), dict(zip(RULES, (checker.extract, checker.extract_lenient)))
     judged = []
     for response, length, cut in zip(responses, lengths, truncated):
         row = {"response": response}
-        for rule, extract in RULES.items():
-            row[rule] = extract(response)
-            row[f"correct_{rule}"] = same_answer(row[rule], answer)
+        for rule in RULES:
+            row[rule] = extract[rule](response)
+            row[f"correct_{rule}"] = checker.same(row[rule], answer)
         row |= {"format": bool(STRICT_FORMAT_REGEX.match(response)), "length": int(length), "truncated": bool(cut)}
         judged.append(row)
     record = {"question": question, "answer": answer, "responses": judged}
     if len(judged) > 1:  # the majority vote of each rule
         for rule in RULES:
-            vote = majority_answer([row[rule] for row in judged])
-            record |= {f"majority_{rule}": vote, f"majority_correct_{rule}": same_answer(vote, answer)}
+            vote = majority_answer([row[rule] for row in judged], checker.same)
+            record |= {f"majority_{rule}": vote, f"majority_correct_{rule}": checker.same(vote, answer)}
     return record
 
 
@@ -111,7 +109,8 @@ def evaluate_model(trainer, num_samples, batch_size, num_examples=0):
         responses, lengths, truncated = trainer.respond(batch["prompt"], k)  # k rows per problem
         for i, (question, answer) in enumerate(zip(batch["prompt"], batch["answer"])):
             rows = slice(i * k, (i + 1) * k)
-            records.append(problem_record(question, answer, responses[rows], lengths[rows], truncated[rows]))
+            judged = (responses[rows], lengths[rows], truncated[rows], trainer.checker)
+            records.append(problem_record(question, answer, *judged))
         if len(examples) < num_examples:
             examples += describe_examples(trainer, batch, responses[::k])[: num_examples - len(examples)]
     trainer.model.train()
@@ -123,7 +122,7 @@ def describe_examples(trainer, batch, responses):
     """Evaluation examples as samples.jsonl records: prompt, response, answers and each reward."""
     prompts, answers = list(batch["prompt"]), list(batch["answer"])
     rewards = trainer.score_rewards(prompts, responses, answers)  # [N, F]
-    return example_records(prompts, responses, answers, rewards, trainer.reward_names)
+    return example_records(prompts, responses, answers, rewards, trainer.reward_names, trainer.checker.extract)
 
 
 def logged_metrics(metrics):
@@ -197,6 +196,7 @@ def run_eval(args, model_paths, build_trainer, temperature_given):
     settings = dict(
         data_path=args.data_path, split="test", decoding=decoding, max_generate_length=args.max_generate_length
     )
+    settings["answer_checker"] = args.answer_checker
     settings |= dict(eval_samples=args.eval_samples, eval_num_generations=args.eval_num_generations, seed=args.seed)
     output = {"settings": settings, "models": results}
     if len(results) == 2:

@@ -13,9 +13,14 @@ from soft to hard, so that a model gets a learning signal before it can solve an
 
 import math
 import re
+from collections import Counter
+from dataclasses import dataclass
 from fractions import Fraction
+from typing import Callable
 
 import torch
+
+from time_limits import TimeLimitExpired, time_limit
 
 ANSWER_REGEX = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # The seed's number regex was r"\d+\.\d+|\d+/\d+|\d+" (decimal | fraction | integer). It also
@@ -138,14 +143,35 @@ def is_correct_lenient(response, answer):
     return same_answer(extract_answer_lenient(response), answer)
 
 
+@dataclass(frozen=True)
+class AnswerChecker:
+    """How answers are read and compared (--answer_checker): `extract` is the strict rule (inside the answer tags),
+    `extract_lenient` finds a final answer anywhere, `same(extracted, reference answer)` compares. The seed's is
+    NUMBER_CHECKER; math_checker.MATH_VERIFY_CHECKER compares with math-verify. Strict and lenient accuracy and
+    correctness_reward all use the run's one checker."""
+
+    name: str
+    extract: Callable[[str], str]
+    extract_lenient: Callable[[str], str]
+    same: Callable[[str, object], bool]
+
+    def is_correct(self, response, answer):
+        return self.same(self.extract(response), answer)
+
+
+NUMBER_CHECKER = AnswerChecker("number", extract_answer, extract_answer_lenient, same_answer)
+
+
 def mark_num(text):
     """0.125 for each of the four tag+newline strings that occurs exactly once (max 0.5)."""
     return sum(0.125 for mark in FORMAT_MARKS if text.count(mark) == 1)
 
 
-def correctness_reward(prompts, responses, answers):
-    """2.0 when the extracted answer equals the reference answer as a number (`is_correct`), else 0.0."""
-    return [2.0 if is_correct(response, answer) else 0.0 for response, answer in zip(responses, answers)]
+def correctness_reward(prompts, responses, answers, checker=None):
+    """2.0 when the extracted answer equals the reference answer as a number (`is_correct`), else 0.0. checker:
+    another AnswerChecker (--answer_checker=math_verify binds math_checker's: user_rewards.reward_functions)."""
+    correct = is_correct if checker is None else checker.is_correct
+    return [2.0 if correct(response, answer) else 0.0 for response, answer in zip(responses, answers)]
 
 
 def digit_reward(prompts, responses, answers):
@@ -221,31 +247,60 @@ class RewardFunctionError(RuntimeError):
     train.py's main lets through (it turns only the trainer's own errors into one line)."""
 
 
-def reward_column(name, reward_func, reward_tokenizer, prompts, responses, answers, device):
+class RewardTimeoutError(ValueError):
+    """A reward function ran past reward_timeout: one line (train.py's main), naming it."""
+
+
+class RewardCallExpired(TimeLimitExpired):
+    """A reward function's call ran past reward_timeout."""
+
+
+# Answer checks (math_checker's) that raised or ran past their limit in this process: {"raised": n, "timed_out": n}.
+# reward_column counts the ones made during each reward function's call, per function, for metrics.jsonl.
+CHECK_FAILURES = Counter()
+
+
+def reward_column(name, reward_func, reward_tokenizer, prompts, responses, answers, device, timeout=0, failures=None):
     """One reward function's (or reward model's) scores of N responses: [N] float32, NaN where it returned None
-    (no opinion). A wrong number of values or an infinite one is an error that names the function."""
+    (no opinion). A wrong number of values, a NaN or infinite one, or a call past `timeout` seconds (0: no limit)
+    is an error that names the function. failures: {metric: count}, to which the answer checks that raised or
+    ran past their limit during the call add, as reward_errors/NAME and reward_timeouts/NAME."""
+    checks_before = CHECK_FAILURES.copy()
     try:
-        if reward_tokenizer is not None:  # a reward model, scoring prompt + response
-            return reward_model_scores(reward_func, reward_tokenizer, prompts, responses)
-        values = list(reward_func(prompts=prompts, responses=responses, answers=answers))
+        with time_limit(timeout, RewardCallExpired):
+            if reward_tokenizer is not None:  # a reward model, scoring prompt + response
+                return reward_model_scores(reward_func, reward_tokenizer, prompts, responses)
+            values = list(reward_func(prompts=prompts, responses=responses, answers=answers))
+    except RewardCallExpired:
+        message = f"reward function {name} ran past reward_timeout={timeout} s on {len(responses)} responses"
+        raise RewardTimeoutError(f"{message}: make it faster, or raise reward_timeout (0 = no limit)") from None
     except Exception as error:  # the user's code: name it, keep its traceback
         raise RewardFunctionError(f"reward function {name} raised {type(error).__name__}: {error}") from error
+    if failures is not None:
+        for kind, metric in (("raised", "reward_errors"), ("timed_out", "reward_timeouts")):
+            failures[f"{metric}/{name}"] = (
+                failures.get(f"{metric}/{name}", 0) + CHECK_FAILURES[kind] - checks_before[kind]
+            )
     if len(values) != len(responses):
         raise ValueError(f"reward function {name} returned {len(values)} values for {len(responses)} responses")
-    values = [math.nan if v is None else float(v) for v in values]
-    if any(math.isinf(v) for v in values):
-        raise ValueError(f"reward function {name} returned an infinite reward; return None for no opinion")
+    given, values = values, [math.nan if v is None else float(v) for v in values]
+    for i, (v, value) in enumerate(zip(given, values)):
+        if v is not None and not math.isfinite(value):
+            kind = "a NaN" if math.isnan(value) else "an infinite"
+            raise ValueError(
+                f"reward function {name} gave response {i} of {len(values)} {kind} reward; return None for no opinion"
+            )
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
-def example_records(prompts, responses, answers, rewards, reward_names):
+def example_records(prompts, responses, answers, rewards, reward_names, extract=extract_answer):
     """Responses as samples.jsonl records: prompt, response, extracted and reference answer, and what each reward
     function gave (rewards [N, F]; None where it had no opinion)."""
     return [
         {
             "prompt": prompt,
             "response": response,
-            "extracted_answer": extract_answer(response),
+            "extracted_answer": extract(response),
             "answer": normalize_answer(answer),
             "rewards": {name: None if math.isnan(v) else v for name, v in zip(reward_names, row.tolist())},
         }

@@ -12,8 +12,8 @@ import torch
 
 def step_record(step, metrics):
     """One optimizer step's metrics ({name: values from every micro-step, group or response}) as one record:
-    totals for times, loss and tokens; mean / min / max response length; mean and std per reward function
-    (None rewards, NaN here, left out); the largest of the maxima; the mean of everything else. Per-token values
+    totals for times, loss, tokens and failed answer checks; mean / min / max response length; mean and std per
+    reward function (None rewards, NaN here, left out); the largest of the maxima; the mean of everything else. Per-token values
     (a list per micro-step: vllm_sampler.sampler_correction's) are reduced over the step's tokens: the gap's
     mean, median, 95th percentile and maximum, the weights' effective sample size, shares as token means."""
     record = {"step": step}
@@ -22,7 +22,7 @@ def step_record(step, metrics):
             values = [value for part in values for value in part]
             if not values:
                 continue
-        if key.startswith("time/") or key in ("loss", "num_tokens"):
+        if key.startswith(("time/", "reward_errors/", "reward_timeouts/")) or key in ("loss", "num_tokens"):
             record[key] = sum(values)
         elif key == "completions/length":
             record.update({"completions/mean_length": fmean(values), "completions/min_length": min(values)})

@@ -4,7 +4,7 @@ RL fine-tuning of a chat LLM on grade-school math (GSM8K, Chinese), after the DA
 (ByteDance Seed / Tsinghua AIR, arXiv 2503.14476) and the annotated DAPO notes this project reimplements (the
 "seed"; docs/differences-from-seed.md lists where it deviates). Read it top to bottom:
 
-    1. data            GSM8KDataset, Samples (one group), MicroBatch (batch_size groups, padded)
+    1. data            Samples (one group), MicroBatch (batch_size groups, padded); the rows: data.GSM8KDataset
     2. settings        DapoArguments (edit the defaults in place, or `--field=value`), paper_preset
     3. DAPO maths      group_advantages, keep_groups, dapo_per_token_loss, aggregate_loss, ...
     4. the trainer     DapoTrainer.train is Algorithm 1 in one loop: sample groups -> rewards ->
@@ -28,18 +28,19 @@ from dataclasses import dataclass, field
 from typing import Any, List, Literal, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from kernels import generate_sharing_prompts, reuse_freed_memory, sampling_processors, selective_log_softmax
 from packing import join_batches, micro_batch_groups, pack_sequences, pad_and_cat, pad_and_cat_groups
 from packing import padded_sequences, trim_group, unpack
-from cli import check_arguments, check_before_loading, check_eval_only, load_split, parse_cli, run_settings
+from cli import check_arguments, check_before_loading, check_eval_only, parse_cli, run_settings
+from data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_system_prompt
 from run_dir import claim_output_dir, hold_output_dir
 from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume_run, save_run_checkpoint
-from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
 from reward_func import load_reward_models, reward_column, reward_func_name, reward_weight_tensor
+from user_rewards import SEED_REWARDS, answer_checker, check_rewards, reward_functions
 from curves import plot_curves, redraw_curves
 from evaluation import evaluate_model, logged_metrics, run_eval, run_summary
 from trackers import loss_diagnostics, make_tracker, step_record
@@ -56,29 +57,10 @@ SYSTEM_PROMPT = """
 </answer>
 """
 
+
 # ============================================================
-# 1. Data
+# 1. Data (the rows: data.GSM8KDataset)
 # ============================================================
-QUESTION_COLUMN = "question_zh-cn"  # Chinese problem text
-ANSWER_COLUMN = "answer_only"  # the final number, e.g. 72
-
-
-class GSM8KDataset(Dataset):
-    """GSM8K (Chinese) from a local folder: items {"prompt": question, "answer": number}. Without a "test"
-    split, a fixed random `test_size` rows of "train" are held out (load_split also checks columns and rows)."""
-
-    def __init__(self, data_path, tokenizer, split: str = "train", test_size: int = 100):
-        self.tokenizer = tokenizer
-        self.data = load_split(data_path, split, test_size, columns=(QUESTION_COLUMN, ANSWER_COLUMN))
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, index):
-        sample = self.data[index]
-        return {"prompt": sample[QUESTION_COLUMN], "answer": sample[ANSWER_COLUMN]}
-
-
 @dataclass
 class Samples:
     """One group: num_generations responses to one prompt."""
@@ -115,6 +97,7 @@ FilterMetric = Literal["reward", "correctness", "none"]  # dynamic sampling's ru
 LossAggMode = Literal["seed", "token-mean", "seq-mean-token-mean"]
 Tracker = Literal["none", "tensorboard", "wandb", "trackio"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]  # importance sampling (TRL)
+AnswerFormat, Checker = Literal["number", "gsm8k", "latex"], Literal["number", "math_verify"]  # data.py, user_rewards
 
 
 def arg(default, help, at_least=None):
@@ -127,7 +110,11 @@ def arg(default, help, at_least=None):
 class DapoArguments:
     # --- paths and run ---
     model_path: str = arg("./Qwen2.5-1.5B-Instruct", "policy: a Hugging Face folder or a .gguf file")
-    data_path: str = arg("./gsm8k_chinese", "folder holding swulling/gsm8k_chinese (train/test splits)")
+    data_path: str = arg("./gsm8k_chinese", "swulling/gsm8k_chinese's folder, or any local data set (data.py)")
+    question_column: str = arg(QUESTION_COLUMN, "the data set's question column (the seed's)")
+    answer_column: str = arg(ANSWER_COLUMN, "its reference answer column (the seed's)")
+    answer_format: AnswerFormat = arg("number", "answers: 'number' (seed), 'gsm8k' (after ####), 'latex' (data.py)")
+    system_prompt: str = arg(SYSTEM_PROMPT, "the system prompt, or @FILE: a file's text (the seed's, Chinese)")
     output_dir: str = arg("./output", "logs, checkpoints and the final model go here")
     overwrite_output_dir: bool = arg(False, "a fresh run may clear an earlier run's logs and checkpoints there (TRL)")
     device: str = arg("cuda" if torch.cuda.is_available() else "cpu", "where the model runs")
@@ -154,7 +141,10 @@ class DapoArguments:
     generation_batch_size: int = arg(0, "prompts per sampling call, all ranks; 0 = what the rollout needs", at_least=0)
     max_generation_rows: int = arg(256, "at most this many responses per generate call (whole groups)", at_least=1)
     # --- rewards and dynamic sampling ---
+    reward_funcs: str = arg(",".join(SEED_REWARDS), "reward_func.py names or module:function paths (seed's four)")
     reward_weights: Optional[List[float]] = arg(None, "one weight per reward function; None = all 1.0")
+    answer_checker: Checker = arg("number", "compare answers as numbers (seed) or 'math_verify' (math_checker.py)")
+    reward_timeout: float = arg(0.0, "seconds a reward call may take, then the run stops; 0 = no limit", at_least=0)
     filter_metric: FilterMetric = arg("reward", "skip a group: 'reward' all totals equal (seed), 'correctness' Eq. 11")
     max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit", at_least=0)
     overlong_buffer_len: int = arg(0, "L_cache of the soft overlong punishment (Eq. 13); 0 = off")
@@ -187,6 +177,7 @@ class DapoArguments:
     vllm_logprob_diff_threshold: float = arg(0.1, "stop if mean |log pi_old - log pi_vLLM| > this; 0 = off", at_least=0)
 
     def __post_init__(self):
+        self.system_prompt = read_system_prompt(self.system_prompt)  # @FILE: its text, as dapo_args.json keeps it
         self.validate()
 
     def validate(self):
@@ -404,6 +395,7 @@ class DapoTrainer:
 
         self.reward_funcs, self.reward_tokenizers = load_reward_models(reward_funcs, reward_tokenizers, args.device)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
+        self.checker = answer_checker(args.answer_checker)  # strict and lenient evaluation compare answers with it
         self.reward_weights = reward_weight_tensor(args.reward_weights, len(self.reward_funcs), args.device)  # [F]
         if args.filter_metric == "correctness" and "correctness_reward" not in self.reward_names:
             raise ValueError('filter_metric="correctness" needs correctness_reward among the reward functions')
@@ -447,7 +439,8 @@ class DapoTrainer:
         """Chat-format and left-pad prompts: input_ids, attention_mask [B, P]. A prompt over max_prompt_length keeps
         its last tokens, which hold the generation prompt (`<|im_start|>assistant`) that makes the model answer."""
         template = self.tokenizer.apply_chat_template
-        messages = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p}] for p in prompts]
+        system = {"role": "system", "content": self.args.system_prompt}
+        messages = [[system, {"role": "user", "content": p}] for p in prompts]
         texts = [template(m, add_generation_prompt=True, tokenize=False) for m in messages]
         token_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template has its specials
         limit = self.args.max_prompt_length
@@ -519,10 +512,11 @@ class DapoTrainer:
 
     # ---- 4.2 rewards, advantages, dynamic sampling ----
     @torch.no_grad()
-    def score_rewards(self, prompts, responses, answers):
-        """rewards_per_func [N, F] for N responses; NaN where a function returned None (no opinion)."""
-        funcs = zip(self.reward_names, self.reward_funcs, self.reward_tokenizers)
-        return torch.stack([reward_column(*f, prompts, responses, answers, self.args.device) for f in funcs], dim=1)
+    def score_rewards(self, prompts, responses, answers, failures=None):
+        """rewards_per_func [N, F]; NaN where a function returned None (no opinion). failures: see reward_column."""
+        funcs, limit = zip(self.reward_names, self.reward_funcs, self.reward_tokenizers), self.args.reward_timeout
+        scores = [reward_column(*f, prompts, responses, answers, self.args.device, limit, failures) for f in funcs]
+        return torch.stack(scores, dim=1)
 
     def generate_experiences(self, inputs):
         """Sample groups, score them, compute advantages and drop the groups without signal. Returns the kept
@@ -537,9 +531,11 @@ class DapoTrainer:
         responses = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         lengths = torch.cat([s.response_length for s in samples_list])  # [B*G]
         truncated = is_truncated(response_ids, lengths, self.eos_token_ids)  # [B*G]
-        rewards_per_func = self.score_rewards(prompts, responses, answers)  # [B*G, F]
+        failures = {}  # reward_errors/NAME, reward_timeouts/NAME: answer checks that raised or timed out
+        rewards_per_func = self.score_rewards(prompts, responses, answers, failures)  # [B*G, F]
         rewards = (rewards_per_func * self.reward_weights).nansum(dim=1)  # [B*G]; None rewards add nothing
         metrics = {f"rewards/{name}": column.tolist() for name, column in zip(self.reward_names, rewards_per_func.T)}
+        metrics |= {key: [count] for key, count in failures.items()}
         if args.overlong_buffer_len > 0:  # Eq. (13): part of the reward; its scale is its own factor
             length_args = (args.max_generate_length, args.overlong_buffer_len, args.overlong_penalty_factor)
             penalty = soft_overlong_punishment(lengths, *length_args)  # [B*G]
@@ -836,9 +832,6 @@ class DapoTrainer:
 # ============================================================
 # 5. Entry point
 # ============================================================
-SEED_REWARD_FUNCS = [correctness_reward, digit_reward, hard_format_reward, mark_reward]
-
-
 def build_args(preset, overrides):
     """DapoArguments from the preset and the command-line overrides (overrides win)."""
     if preset == "paper":
@@ -848,12 +841,14 @@ def build_args(preset, overrides):
 
 
 def build_trainer(args, train=True):
-    """The seed's run: policy and tokenizer from model_path, GSM8K from data_path, the four rewards."""
+    """The seed's run: policy and tokenizer from model_path, rows from data_path, the rewards of reward_funcs."""
     tokenizer = load_tokenizer(args.model_path)
-    train_dataset = GSM8KDataset(args.data_path, tokenizer, split="train") if train else None  # --eval_only: none
-    eval_dataset = GSM8KDataset(args.data_path, tokenizer, split="test")
+    read = dict(columns=(args.question_column, args.answer_column), answer_format=args.answer_format)
+    train_dataset = GSM8KDataset(args.data_path, tokenizer, "train", **read) if train else None  # --eval_only: none
+    eval_dataset = GSM8KDataset(args.data_path, tokenizer, "test", **read)
+    reward_funcs = reward_functions(args, trial=eval_dataset)  # each tried on two rows before the model loads
     model = load_causal_lm(args.model_path)
-    return DapoTrainer(model, list(SEED_REWARD_FUNCS), args, train_dataset, eval_dataset, tokenizer)
+    return DapoTrainer(model, reward_funcs, args, train_dataset, eval_dataset, tokenizer)
 
 
 def main(argv=None):
@@ -863,10 +858,14 @@ def main(argv=None):
     try:  # the command line over a checkpoint's settings over the demo's, under the preset
         overrides, checkpoint = run_settings(cli, given, DapoArguments.output_dir)
         args = build_args(cli.preset, overrides)
+        reward_funcs = reward_functions(args)  # names and import paths resolved and checked before anything loads
+        status = check_rewards(args, reward_funcs) if cli.check_rewards else None  # no model, no output_dir
     except ValueError as error:
         sys.exit(f"error: {error}")
+    if status is not None:
+        sys.exit(status)
     if cli.eval_only:  # checked before anything loads
-        models = check_eval_only(args, cli.compare, (QUESTION_COLUMN, ANSWER_COLUMN))
+        models = check_eval_only(args, cli.compare)
     world = distributed.setup(args.device)  # under torchrun, rank 0 alone prepares the folders; the others wait
     with hold_output_dir(args.output_dir, cli.take_over_lock, world.is_main):  # rank 0 holds it for the run
         if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
@@ -876,7 +875,7 @@ def main(argv=None):
                 from tiny_world import demo_world
 
                 args.model_path, args.data_path = demo_world(args.output_dir, SYSTEM_PROMPT, args.overwrite_output_dir)
-            check_before_loading(args, len(SEED_REWARD_FUNCS))
+            check_before_loading(args, len(reward_funcs))
             if checkpoint is None:  # a fresh run: an earlier run's logs and checkpoints go, or the run is refused
                 claim_output_dir(args.output_dir, args.overwrite_output_dir)
         args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))

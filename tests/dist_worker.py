@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from checkpoints import resume_run  # noqa: E402
-from train import SEED_REWARD_FUNCS, DapoArguments, DapoTrainer, GSM8KDataset  # noqa: E402
+from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward  # noqa: E402
+from train import DapoArguments, DapoTrainer, GSM8KDataset  # noqa: E402
 
 scenario, model_dir, data_dir, out = sys.argv[1:5]
 overrides = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
@@ -55,7 +56,7 @@ def make_trainer(output_dir, **settings):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return DapoTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir),
-        reward_funcs=list(SEED_REWARD_FUNCS),
+        reward_funcs=[correctness_reward, digit_reward, hard_format_reward, mark_reward],
         args=args,
         train_dataset=GSM8KDataset(data_dir, tokenizer, split="train"),
         eval_dataset=GSM8KDataset(data_dir, tokenizer, split="test"),

@@ -142,11 +142,15 @@ def test_an_infinite_reward_is_an_error(make_trainer):
         trainer.generate_experiences(make_batch(trainer))
 
 
-def test_rewards_that_never_vary_warn_and_end_with_an_error(world, tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "SEED_REWARD_FUNCS", [lambda prompts, responses, answers: [1.0] * len(responses)])
+def constant_reward(prompts, responses, answers):
+    return [1.0] * len(responses)
+
+
+def test_rewards_that_never_vary_warn_and_end_with_an_error(world, tmp_path):
+    rewards = "--reward_funcs=test_reliability:constant_reward"  # this file's, found on sys.path
     with pytest.warns(UserWarning, match="the last 20 sampling rounds kept no group: filter_metric='reward'"):
         with pytest.raises(SystemExit, match="the data ran out before one optimizer step"):
-            main(run_args(world, tmp_path / "out", "--epoch=1", "--reward_weights=1"))
+            main(run_args(world, tmp_path / "out", "--epoch=1", rewards))
 
 
 # ---------- settings and set-up ----------
@@ -386,15 +390,15 @@ def test_resume_latest_without_a_checkpoint_is_one_line(tmp_path):
 
 
 # ---------- errors that name their source ----------
-def test_a_reward_functions_error_names_it_and_keeps_its_traceback(world, tmp_path, monkeypatch):
-    def parse_reward(prompts, responses, answers):
-        return [float("x") for _ in responses]
+def parse_reward(prompts, responses, answers):
+    return [float("x") for _ in responses]
 
-    monkeypatch.setattr(train, "SEED_REWARD_FUNCS", [parse_reward])
+
+def test_a_reward_functions_error_names_it_and_keeps_its_traceback(world, tmp_path):
     out = tmp_path / "out"
     message = "reward function parse_reward raised ValueError: could not convert string to float: 'x'"
     with pytest.raises(RuntimeError, match=message) as raised:
-        main(run_args(world, out, "--max_steps=1", "--reward_weights=1"))
+        main(run_args(world, out, "--max_steps=1", "--reward_funcs=test_reliability:parse_reward"))
     assert "parse_reward" in [frame.name for frame in traceback.extract_tb(raised.value.__cause__.__traceback__)]
     assert not (out / "train.lock").exists()
 
