@@ -43,6 +43,7 @@ import math
 import os
 import random
 import re
+import shlex
 
 import datasets
 import torch
@@ -50,6 +51,7 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from checkpoints import find_checkpoints
 from curves import read_accuracies
 from run_dir import claim_output_dir
 
@@ -392,6 +394,7 @@ DEMO_ARGS = dict(
     data_path=os.path.join(DEMO_DIR, "gsm8k_tiny"),
     output_dir=DEMO_DIR,
     device="cpu",
+    num_threads=1,  # the same samples on a machine of any core count; a hidden-64 model gains nothing from more
     lr=3e-4,  # seed 42, 120 steps: 1e-3 collapsed after ~20 steps (held-out 0.22 -> 0.07); 5e-4 reached 0.40
     max_grad_norm=1.0,  # verl's DAPO script
     num_generations=8,
@@ -409,10 +412,11 @@ DEMO_WARM_UP_STEPS = 450  # 300 clean, then 150 noisy (WARM_UP_NOISY_SHARE)
 # paper's temperature 1, so its filter (keep a group only if 0 < #correct < G) keeps most groups.
 
 
-def demo_summary(history, output_dir):
+def demo_summary(history, output_dir, wall_seconds):
     """The closing lines of a demo: held-out accuracy, strict and lenient (evaluation.py), at step 0 and at the
     last evaluation (the headline, with every evaluation), then the mean total and correctness reward over the
-    first and last 50 sampled steps (or fifth of them; with steps_per_generation 4 one step in 4 samples).
+    first and last 50 sampled steps (or fifth of them; with steps_per_generation 4 one step in 4 samples), the
+    logs, the wall time of the command, and what to run next (demo_next_steps).
     history is trainer.history: one metrics dict per optimizer step."""
     lines = [f"\ndemo summary after {history[-1]['step']} steps ({history[-1]['skipped_groups']} groups skipped):"]
     for label, accuracy in zip(("held-out accuracy", "lenient accuracy"), read_accuracies(output_dir)):
@@ -437,10 +441,35 @@ def demo_summary(history, output_dir):
             ("correctness reward", first_and_last("rewards/correctness_reward/mean")),
         )
     ]
+    minutes, seconds = divmod(round(wall_seconds), 60)
     lines += [
         f"  logs: {output_dir}/accuracy_losses.txt, evaluations.jsonl, training_losses.txt, metrics.jsonl; curves.png",
+        f"  wall time: {minutes} min {seconds:02d} s, the world's warm-up included",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + demo_next_steps(output_dir))
+
+
+def demo_next_steps(output_dir):
+    """Ready-to-paste commands on the demo's own folders: its two models compared, the curves redrawn, and (when a
+    checkpoint is there) as many steps again from the newest one."""
+    demo = shlex.quote(output_dir)
+    model, data = (shlex.quote(os.path.join(output_dir, name)) for name in ("tiny-qwen2", "gsm8k_tiny"))
+    lines = [
+        "next steps (ready to paste):",
+        "  # the warm-up model (RL's start) beside the trained one, greedy, on all 200 test problems",
+        f"  python train.py --eval_only --model_path={model} --compare={demo} --data_path={data} --device=cpu"
+        f" --max_generate_length={DEMO_ARGS['max_generate_length']} --eval_samples=0"
+        f" --eval_batch_size={DEMO_NUM_TEST} --output_dir={demo}",
+        "  # curves.png again, from the logs",
+        f"  python train.py --plot={demo}",
+    ]
+    if find_checkpoints(output_dir):
+        step = max(find_checkpoints(output_dir))
+        lines += [
+            f"  # {step} more steps, from checkpoint_{step}",
+            f"  python train.py --demo --resume=latest --output_dir={demo} --max_steps={2 * step}",
+        ]
+    return lines
 
 
 def demo_world(output_dir, system_prompt, overwrite=False, warm_up_steps=DEMO_WARM_UP_STEPS):
