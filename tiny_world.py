@@ -23,7 +23,8 @@ The demo's design, so that held-out accuracy is the headline (docs/demo.md):
   attention kernels support (`--demo --use_vllm=true`).
 - RL: 160 steps of 8 prompts (4 per micro-batch, one generate call of 64 rows) x G 8, 20-token
   responses, lr 3e-4 with the gradient norm clipped to 1 (at 1e-3 the policy collapsed after ~20
-  steps); every 20 steps one evaluation of all 200 test problems in one generate call.
+  steps), on one torch thread (the thread count changes a CPU's sums, so the samples); every 20 steps one
+  evaluation of all 200 test problems in one generate call.
 
 Everything is saved with the standard Hugging Face writers, so train.py loads it with exactly the
 code it uses for the real thing: `datasets.load_dataset(data_dir)`,
@@ -386,8 +387,8 @@ def build_tiny_world(
 # The demo: python train.py --demo
 # ============================================================
 DEMO_DIR = os.path.join(".", "output", "demo")
-# With these settings a demo takes about a minute alone on 2 CPU cores, world included, and its held-out
-# accuracy climbs (the measured run: docs/demo.md); anything given on the command line still wins (e.g.
+# With these settings a demo takes about a minute of one CPU core, world included, and its held-out
+# accuracy climbs (the measured runs: docs/demo.md); anything given on the command line still wins (e.g.
 # --max_steps=50, --seed=1, --lr=0, or --preset paper --filter_metric=reward).
 DEMO_ARGS = dict(
     model_path=os.path.join(DEMO_DIR, "tiny-qwen2"),
@@ -395,7 +396,7 @@ DEMO_ARGS = dict(
     output_dir=DEMO_DIR,
     device="cpu",
     num_threads=1,  # the same samples on a machine of any core count; a hidden-64 model gains nothing from more
-    lr=3e-4,  # seed 42, 120 steps: 1e-3 collapsed after ~20 steps (held-out 0.22 -> 0.07); 5e-4 reached 0.40
+    lr=3e-4,  # seed 42: 1e-3 collapsed after ~20 steps (held-out 0.22 -> 0.07); 5e-4 climbed only +0.29 in 160
     max_grad_norm=1.0,  # verl's DAPO script
     num_generations=8,
     batch_size=4,  # prompts per micro-batch; a step's 8 prompts are sampled in one call of 64 rows
