@@ -863,9 +863,11 @@ def main(argv=None):
         status = check_rewards(args, reward_funcs) if cli.check_rewards else None  # no model, no output_dir
     except ValueError as error:
         sys.exit(f"error: {error}")
+    if status is not None:
+        sys.exit(status)
     if cli.eval_only:  # checked before anything loads
         models = check_eval_only(args, cli.compare)
-    world = distributed.setup(args.device)  # under torchrun, rank 0 alone prepares the folders; the others wait
+    world = distributed.setup(args.device, args.num_threads)  # torchrun: rank 0 alone prepares the folders
     with hold_output_dir(args.output_dir, cli.take_over_lock, world.is_main):  # rank 0 holds it for the run
         if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
             return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
