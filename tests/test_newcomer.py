@@ -26,12 +26,21 @@ def test_help_shows_the_modes_first_then_the_fields_in_their_sections(monkeypatc
     assert titles[:2] == ["paths and run", "optimisation (seed: plain Adam, constant lr)"] and len(titles) == 7
     assert headings == ["options", "modes (none: train with the settings below)", *titles]
     assert text.startswith(
-        "usage: train.py [--demo | --eval_only [--compare=MODEL] | --resume=CHECKPOINT | --plot=DIR] [--preset=NAME] "
-        "[--field=value ...]\n"
+        "usage: train.py [--demo | --eval_only [--compare=MODEL] | --resume=CHECKPOINT | --plot=DIR | --check_rewards] "
+        "[--preset=NAME] [--field=value ...]\n"
     )
     modes = text.split("modes (none: train with the settings below):\n")[1].split("\n\n")[0]
     options = re.findall(r"^  (--\w+)", modes, flags=re.M)
-    assert options == ["--demo", "--eval_only", "--compare", "--resume", "--plot", "--preset", "--take_over_lock"]
+    assert options == [
+        "--demo",
+        "--eval_only",
+        "--compare",
+        "--resume",
+        "--plot",
+        "--check_rewards",
+        "--preset",
+        "--take_over_lock",
+    ]
     sections = field_sections(DapoArguments)  # each field in the group of its section, in the class's order
     assert list(sections) == titles and sum(sections.values(), []) == [
         f.name for f in dataclasses.fields(DapoArguments)
