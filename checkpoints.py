@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from curves import read_jsonl, read_step_log
+from curves import in_words, read_jsonl, read_step_log, subfolders
 
 TRAINER_STATE = "trainer_state.pt"  # in the newest checkpoint: optimizer, scheduler, loop state, RNG
 ARGS_FILE = "dapo_args.json"  # in each checkpoint: the DapoArguments used
@@ -217,7 +217,10 @@ def find_checkpoint(resume, output_dir):
     back is refused naming its damaged file and the newest intact checkpoint."""
     if resume == "latest":
         if not find_checkpoints(output_dir):
-            raise ValueError(f"no checkpoint to resume in {output_dir!r}: start a new run without --resume")
+            found, problem = subfolders(output_dir, find_checkpoints), f"no checkpoint to resume in {output_dir!r}"
+            if found:  # e.g. the demo's, in ./output/demo
+                raise ValueError(f"{problem}; {in_words(found)} some: add --output_dir={found[0]}")
+            raise ValueError(f"{problem}: start a new run without --resume")
         resume = checkpoint_path(output_dir, max(find_checkpoints(output_dir)))
     resume = os.path.normpath(resume)
     if not os.path.isfile(os.path.join(resume, ARGS_FILE)):

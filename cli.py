@@ -6,9 +6,12 @@ its fix."""
 import argparse
 import dataclasses
 import importlib.util
+import inspect
 import math
 import os
+import re
 import sys
+import time
 import typing
 
 import torch
@@ -80,31 +83,66 @@ def help_only(arguments_class):
 
 
 def parse_cli(arguments_class, argv=None):
-    """Returns (namespace with --demo/--preset/--resume/--plot/--take_over_lock, {field: value} of the fields given).
+    """Returns (namespace with the modes (--demo, --eval_only, ...) and `started`, the command's start
+    for its wall time, {field: value} of the fields given).
 
-    Fields that are not given stay out of the overrides, so that presets and checkpoints can fill them.
+    Fields that are not given stay out of the overrides, so that presets and checkpoints can fill them. --help
+    shows the modes first, then the fields in the sections of arguments_class (field_sections).
     """
-    parser = HfArgumentParser(
-        help_only(arguments_class), description="DAPO training on GSM8K (Chinese).", allow_abbrev=False
-    )
-    parser.add_argument("--demo", action="store_true", help="train a tiny built-in world on CPU (no download)")
-    parser.add_argument("--preset", choices=["seed", "paper"], default="seed", help="seed's or the paper's settings")
-    parser.add_argument("--resume", metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest'")
-    parser.add_argument("--plot", metavar="DIR", help="draw DIR/curves.png from an existing output folder, then exit")
-    parser.add_argument("--eval_only", action="store_true", help="evaluate model_path on the test split, no training")
-    parser.add_argument("--compare", metavar="MODEL", help="with --eval_only: a second model, in a before/after table")
-    parser.add_argument("--check_rewards", action="store_true", help="score each reference answer as a response, exit")
-    parser.add_argument("--take_over_lock", action="store_true", help=f"take over {LOCK_FILE} of a run that has ended")
-    fields = [f.name for f in dataclasses.fields(arguments_class)]
+    mode = "[--demo | --eval_only [--compare=MODEL] | --resume=CHECKPOINT | --plot=DIR | --check_rewards]"
+    usage = f"train.py {mode} [--preset=NAME] [--field=value ...]"
+    parser = HfArgumentParser(None, usage=usage, description="DAPO training on GSM8K (Chinese).", allow_abbrev=False)
+    modes = parser.add_argument_group("modes (none: train with the settings below)")
+    modes.add_argument("--demo", action="store_true", help="train a tiny built-in world on CPU (no download)")
+    modes.add_argument("--eval_only", action="store_true", help="evaluate model_path on the test split, no training")
+    modes.add_argument("--compare", metavar="MODEL", help="with --eval_only: a second model, in a before/after table")
+    modes.add_argument("--resume", metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest'")
+    modes.add_argument("--plot", metavar="DIR", help="draw DIR/curves.png from an existing output folder, then exit")
+    modes.add_argument("--check_rewards", action="store_true", help="score each reference answer as a response, exit")
+    modes.add_argument("--preset", choices=["seed", "paper"], default="seed", help="seed's or the paper's settings")
+    modes.add_argument("--take_over_lock", action="store_true", help=f"take over {LOCK_FILE} of a run that has ended")
+    fields = {f.name: f for f in dataclasses.fields(help_only(arguments_class))}
+    for title, names in field_sections(arguments_class).items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            HfArgumentParser._parse_dataclass_field(group, fields[name])  # what HfArgumentParser(cls) does per field
+    one_switch_per_bool(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     for i, token in enumerate(argv):  # `--reward_weights=1,0.5` -> `--reward_weights 1 0.5`
         if token.startswith("--reward_weights="):
             argv[i : i + 1] = ["--reward_weights", *token.split("=", 1)[1].split(",")]
-    namespace = parser.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(fields, dataclasses.MISSING)))
+    unset = argparse.Namespace(started=time.perf_counter(), **dict.fromkeys(fields, dataclasses.MISSING))
+    namespace = parser.parse_args(argv, namespace=unset)
     if namespace.compare and not namespace.eval_only:
         parser.error("--compare=MODEL compares two models without training: add --eval_only")
     given = {name: getattr(namespace, name) for name in fields}
     return namespace, {name: value for name, value in given.items() if value is not dataclasses.MISSING}
+
+
+def field_sections(arguments_class):
+    """{section: [field names]} in the order of arguments_class's source, a section per `# --- title ---` comment
+    (a field before the first comment, or not found in the source: "settings")."""
+    names, sections, title = {f.name for f in dataclasses.fields(arguments_class)}, {}, "settings"
+    for line in inspect.getsource(arguments_class).splitlines():
+        heading, field = re.fullmatch(r"\s*# --- (.+) ---", line), re.match(r"    (\w+): ", line)
+        if heading:
+            title = heading.group(1)
+        elif field and field.group(1) in names:
+            sections.setdefault(title, []).append(field.group(1))
+            names.remove(field.group(1))
+    if names:
+        sections.setdefault("settings", []).extend(sorted(names))
+    return sections
+
+
+def one_switch_per_bool(parser):
+    """--help shows `--bf16` and `--no_bf16` (HfArgumentParser adds --no_X for a bool field whose default is True)
+    as one switch: the --no_X line goes, the --X line names it. Both still parse as before."""
+    actions = {action.option_strings[0]: action for action in parser._actions if action.option_strings}
+    for option, action in actions.items():
+        if option.startswith("--no_") and f"--{action.dest}" in actions:
+            actions[f"--{action.dest}"].help += f"; {option} = --{action.dest}=false"
+            action.help = argparse.SUPPRESS
 
 
 def run_settings(cli, given, default_output_dir):
@@ -168,8 +206,15 @@ def eval_model(path, flag):
 
 def check_eval_only(args, compare):
     """--eval_only's checks before anything loads, each exiting with one line: the model(s) exist, the data set
-    has a test split with rows and the columns. Returns the model paths to evaluate."""
+    has a test split with rows and the columns, output_dir holds no earlier evaluation (or may overwrite it, as a
+    run's folder). Returns the model paths to evaluate."""
     models = [eval_model(args.model_path, "--model_path")] + ([eval_model(compare, "--compare")] if compare else [])
+    results = os.path.join(args.output_dir, "eval_results.json")  # evaluation.run_eval writes it
+    if os.path.exists(results) and not args.overwrite_output_dir:
+        sys.exit(
+            f"error: {results!r} holds an earlier evaluation: overwrite it with --overwrite_output_dir=true, "
+            "or write this one to another --output_dir"
+        )
     try:
         columns = (args.question_column, args.answer_column)  # 0: no test rows held out of train, the real test split
         load_split(args.data_path, "test", 0, columns, args.answer_format)

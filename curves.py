@@ -1,6 +1,7 @@
 """curves.png: what a run's logs in output_dir say, read at a glance.
 
     plot_curves(output_dir) -> path of output_dir/curves.png
+    plot_command(output_dir) -> what `python train.py --plot=DIR` prints (a folder without logs: one line, exit)
 
 Inputs (any may be missing; the seed's two text files alone are enough):
     training_losses.txt  "k,loss" per micro-step; it belongs to optimizer step k + 1, and the lines
@@ -20,10 +21,23 @@ held-out accuracy, measured only every eval_steps, is drawn with a marker at eac
 import contextlib
 import json
 import os
+import sys
 import warnings
 
 ACCURACY_COLOR = "tab:red"
 LENIENT_COLOR = "tab:purple"
+PLOTTED_LOGS = ("accuracy_losses.txt", "training_losses.txt", "metrics.jsonl")  # what plot_curves draws from
+
+
+def subfolders(folder, holds):
+    """The folders directly inside folder for which holds(path) is true, sorted: where a mode that finds nothing in
+    folder itself points to (--plot, --resume=latest in ./output when the demo ran in ./output/demo)."""
+    paths = [os.path.join(folder, name) for name in sorted(os.listdir(folder))] if os.path.isdir(folder) else []
+    return [path for path in paths if os.path.isdir(path) and holds(path)]
+
+
+def has_logs(folder):
+    return any(os.path.isfile(os.path.join(folder, name)) for name in PLOTTED_LOGS)
 
 
 def read_step_log(path):
@@ -101,6 +115,22 @@ def redraw_curves(output_dir):
         plot_curves(output_dir)
     except Exception as error:  # noqa: BLE001
         warnings.warn(f"could not draw curves.png: {error!r}")
+
+
+def plot_command(output_dir):
+    """`python train.py --plot=DIR`: draw DIR/curves.png and return the line that says so. A folder without the
+    logs plot_curves draws from exits in one line instead, naming its subfolders that have them."""
+    if has_logs(output_dir):
+        return f"wrote {plot_curves(output_dir)}"
+    found, problem = subfolders(output_dir, has_logs), f"error: {output_dir!r} holds no training logs to plot"
+    if not found:
+        sys.exit(f"{problem} ({', '.join(PLOTTED_LOGS)}): give the output_dir of a run")
+    sys.exit(f"{problem}; {in_words(found)} them: python train.py --plot={found[0]}")
+
+
+def in_words(folders):
+    """'output/demo has', 'output/a, output/b have'."""
+    return f"{', '.join(folders)} {'has' if len(folders) == 1 else 'have'}"
 
 
 def plot_curves(output_dir):

@@ -34,9 +34,11 @@ import torch.distributed as dist
 GRAD_BUCKET = 2**24  # gradient elements per all-reduce (64 MB of float32)
 
 
-def setup(device="cpu"):
+def setup(device="cpu", num_threads=0):
     """This process's World: one process when WORLD_SIZE is unset or 1; else join (or reuse) the process
-    group: NCCL when the device is CUDA (each process on cuda:LOCAL_RANK), gloo on CPU."""
+    group: NCCL when the device is CUDA (each process on cuda:LOCAL_RANK), gloo on CPU. num_threads > 0: torch's
+    CPU threads (a CPU's sums, and so the samples, depend on their number; 0 keeps torch's default)."""
+    torch.set_num_threads(num_threads or torch.get_num_threads())
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return World()
     if not dist.is_initialized():

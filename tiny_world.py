@@ -23,7 +23,8 @@ The demo's design, so that held-out accuracy is the headline (docs/demo.md):
   attention kernels support (`--demo --use_vllm=true`).
 - RL: 160 steps of 8 prompts (4 per micro-batch, one generate call of 64 rows) x G 8, 20-token
   responses, lr 3e-4 with the gradient norm clipped to 1 (at 1e-3 the policy collapsed after ~20
-  steps); every 20 steps one evaluation of all 200 test problems in one generate call.
+  steps), on one torch thread (the thread count changes a CPU's sums, so the samples); every 20 steps one
+  evaluation of all 200 test problems in one generate call.
 
 Everything is saved with the standard Hugging Face writers, so train.py loads it with exactly the
 code it uses for the real thing: `datasets.load_dataset(data_dir)`,
@@ -43,6 +44,7 @@ import math
 import os
 import random
 import re
+import shlex
 
 import datasets
 import torch
@@ -50,6 +52,7 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from checkpoints import find_checkpoints
 from curves import read_accuracies
 from run_dir import claim_output_dir
 
@@ -384,15 +387,16 @@ def build_tiny_world(
 # The demo: python train.py --demo
 # ============================================================
 DEMO_DIR = os.path.join(".", "output", "demo")
-# With these settings a demo takes about a minute alone on 2 CPU cores, world included, and its held-out
-# accuracy climbs (the measured run: docs/demo.md); anything given on the command line still wins (e.g.
+# With these settings a demo takes about a minute of one CPU core, world included, and its held-out
+# accuracy climbs (the measured runs: docs/demo.md); anything given on the command line still wins (e.g.
 # --max_steps=50, --seed=1, --lr=0, or --preset paper --filter_metric=reward).
 DEMO_ARGS = dict(
     model_path=os.path.join(DEMO_DIR, "tiny-qwen2"),
     data_path=os.path.join(DEMO_DIR, "gsm8k_tiny"),
     output_dir=DEMO_DIR,
     device="cpu",
-    lr=3e-4,  # seed 42, 120 steps: 1e-3 collapsed after ~20 steps (held-out 0.22 -> 0.07); 5e-4 reached 0.40
+    num_threads=1,  # the same samples on a machine of any core count; a hidden-64 model gains nothing from more
+    lr=3e-4,  # seed 42: 1e-3 collapsed after ~20 steps (held-out 0.22 -> 0.07); 5e-4 climbed only +0.29 in 160
     max_grad_norm=1.0,  # verl's DAPO script
     num_generations=8,
     batch_size=4,  # prompts per micro-batch; a step's 8 prompts are sampled in one call of 64 rows
@@ -409,10 +413,11 @@ DEMO_WARM_UP_STEPS = 450  # 300 clean, then 150 noisy (WARM_UP_NOISY_SHARE)
 # paper's temperature 1, so its filter (keep a group only if 0 < #correct < G) keeps most groups.
 
 
-def demo_summary(history, output_dir):
+def demo_summary(history, output_dir, wall_seconds):
     """The closing lines of a demo: held-out accuracy, strict and lenient (evaluation.py), at step 0 and at the
     last evaluation (the headline, with every evaluation), then the mean total and correctness reward over the
-    first and last 50 sampled steps (or fifth of them; with steps_per_generation 4 one step in 4 samples).
+    first and last 50 sampled steps (or fifth of them; with steps_per_generation 4 one step in 4 samples), the
+    logs, the wall time of the command, and what to run next (demo_next_steps).
     history is trainer.history: one metrics dict per optimizer step."""
     lines = [f"\ndemo summary after {history[-1]['step']} steps ({history[-1]['skipped_groups']} groups skipped):"]
     for label, accuracy in zip(("held-out accuracy", "lenient accuracy"), read_accuracies(output_dir)):
@@ -437,10 +442,35 @@ def demo_summary(history, output_dir):
             ("correctness reward", first_and_last("rewards/correctness_reward/mean")),
         )
     ]
+    minutes, seconds = divmod(round(wall_seconds), 60)
     lines += [
         f"  logs: {output_dir}/accuracy_losses.txt, evaluations.jsonl, training_losses.txt, metrics.jsonl; curves.png",
+        f"  wall time: {minutes} min {seconds:02d} s, the world's warm-up included",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + demo_next_steps(output_dir))
+
+
+def demo_next_steps(output_dir):
+    """Ready-to-paste commands on the demo's own folders: its two models compared, the curves redrawn, and (when a
+    checkpoint is there) as many steps again from the newest one."""
+    demo = shlex.quote(output_dir)
+    model, data = (shlex.quote(os.path.join(output_dir, name)) for name in ("tiny-qwen2", "gsm8k_tiny"))
+    lines = [
+        "next steps (ready to paste):",
+        "  # the warm-up model (RL's start) beside the trained one, greedy, on all 200 test problems",
+        f"  python train.py --eval_only --model_path={model} --compare={demo} --data_path={data} --device=cpu"
+        f" --max_generate_length={DEMO_ARGS['max_generate_length']} --eval_samples=0"
+        f" --eval_batch_size={DEMO_NUM_TEST} --output_dir={demo}",
+        "  # curves.png again, from the logs",
+        f"  python train.py --plot={demo}",
+    ]
+    if find_checkpoints(output_dir):
+        step = max(find_checkpoints(output_dir))
+        lines += [
+            f"  # {step} more steps, from checkpoint_{step}",
+            f"  python train.py --demo --resume=latest --output_dir={demo} --max_steps={2 * step}",
+        ]
+    return lines
 
 
 def demo_world(output_dir, system_prompt, overwrite=False, warm_up_steps=DEMO_WARM_UP_STEPS):

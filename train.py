@@ -41,7 +41,7 @@ from run_dir import claim_output_dir, hold_output_dir
 from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume_run, save_run_checkpoint
 from reward_func import load_reward_models, reward_column, reward_func_name, reward_weight_tensor
 from user_rewards import SEED_REWARDS, answer_checker, check_rewards, reward_functions
-from curves import plot_curves, redraw_curves
+from curves import plot_command, redraw_curves
 from evaluation import evaluate_model, logged_metrics, run_eval, run_summary
 from trackers import loss_diagnostics, make_tracker, step_record
 import distributed
@@ -166,6 +166,7 @@ class DapoArguments:
     # --- speed and memory ---
     bf16: bool = arg(True, "on CUDA, autocast forward passes to bf16 (weights stay float32)")
     tf32: bool = arg(True, "on CUDA, TF32 matmuls for what stays float32")
+    num_threads: int = arg(0, "torch's CPU threads; 0 = torch's default, one per core (the demo: 1)", at_least=0)
     padding_free: bool = arg(False, "log-prob and loss passes on real tokens only, packed in one row (verl)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30%% slower")
     fsdp: bool = arg(False, "under torchrun, shard parameters, gradients and Adam states over the ranks (FSDP2)")
@@ -854,7 +855,7 @@ def build_trainer(args, train=True):
 def main(argv=None):
     cli, given = parse_cli(DapoArguments, argv)
     if cli.plot:
-        return print(f"wrote {plot_curves(cli.plot)}")
+        return print(plot_command(cli.plot))
     try:  # the command line over a checkpoint's settings over the demo's, under the preset
         overrides, checkpoint = run_settings(cli, given, DapoArguments.output_dir)
         args = build_args(cli.preset, overrides)
@@ -866,7 +867,7 @@ def main(argv=None):
         sys.exit(status)
     if cli.eval_only:  # checked before anything loads
         models = check_eval_only(args, cli.compare)
-    world = distributed.setup(args.device)  # under torchrun, rank 0 alone prepares the folders; the others wait
+    world = distributed.setup(args.device, args.num_threads)  # torchrun: rank 0 alone prepares the folders
     with hold_output_dir(args.output_dir, cli.take_over_lock, world.is_main):  # rank 0 holds it for the run
         if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
             return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
@@ -890,7 +891,7 @@ def main(argv=None):
             sys.exit(130)
         trainer.save_model()
     if world.is_main:
-        print(run_summary(args.output_dir, trainer.history if cli.demo else None))
+        print(run_summary(args.output_dir, trainer.history if cli.demo else None, time.perf_counter() - cli.started))
     return trainer
 
 

@@ -50,6 +50,14 @@ def demo_world_built_once(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_kept():
+    """A test that runs main(["--demo"]) sets torch's thread count (the demo's num_threads=1): the next gets its own."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def make_trainer(world, tmp_path):
     """DapoTrainer on the tiny world, loaded through the real loaders; keyword args override DapoArguments."""

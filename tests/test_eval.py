@@ -167,9 +167,26 @@ def test_demo_summary_reports_both_accuracies(tmp_path):
     (tmp_path / "accuracy_losses.txt").write_text("0,0.20\n20,0.50\n")
     lines = [{"step": 0, "eval/accuracy_lenient": 0.35}, {"step": 20, "eval/accuracy_lenient": 0.55}]
     (tmp_path / "evaluations.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    summary = demo_summary([{"step": 20, "skipped_groups": 3}], str(tmp_path)).splitlines()
+    summary = demo_summary([{"step": 20, "skipped_groups": 3}], str(tmp_path), 94.6).splitlines()
     assert summary[2].startswith("  held-out accuracy  step 0 0.20  ->  step 20 0.50  (+0.30)")
     assert summary[3].startswith("  lenient accuracy   step 0 0.35  ->  step 20 0.55  (+0.20)")
+    assert summary[7:] == [  # its wall time, then what to run next, on its own folders
+        "  wall time: 1 min 35 s, the world's warm-up included",
+        "next steps (ready to paste):",
+        "  # the warm-up model (RL's start) beside the trained one, greedy, on all 200 test problems",
+        f"  python train.py --eval_only --model_path={tmp_path}/tiny-qwen2 --compare={tmp_path} "
+        f"--data_path={tmp_path}/gsm8k_tiny --device=cpu --max_generate_length=20 --eval_samples=0 "
+        f"--eval_batch_size=200 --output_dir={tmp_path}",
+        "  # curves.png again, from the logs",
+        f"  python train.py --plot={tmp_path}",
+    ]
+    (tmp_path / "checkpoint_20").mkdir()  # with a checkpoint: as many steps again from it
+    assert demo_summary([{"step": 20, "skipped_groups": 3}], str(tmp_path), 61).splitlines()[7:] == [
+        "  wall time: 1 min 01 s, the world's warm-up included",
+        *summary[8:],
+        "  # 20 more steps, from checkpoint_20",
+        f"  python train.py --demo --resume=latest --output_dir={tmp_path} --max_steps=40",
+    ]
     from evaluation import accuracy_summary
 
     assert accuracy_summary(str(tmp_path)).endswith("step 0 0.20 / 0.35  ->  step 20 0.50 / 0.55")
@@ -196,7 +213,14 @@ def test_eval_only_gives_the_runs_greedy_evaluation_and_compares(make_trainer, w
     assert samples == [{"model": trainer.args.output_dir, **record} for record in run_records]
 
     capsys.readouterr()
-    main(["--eval_only", f"--model_path={model_dir}", f"--compare={trainer.args.output_dir}", *common])
+    compare = ["--eval_only", f"--model_path={model_dir}", f"--compare={trainer.args.output_dir}", *common]
+    with pytest.raises(SystemExit) as exit_info:  # a second evaluation into the same folder: refused, before loading
+        main(compare)
+    assert exit_info.value.code == (
+        f"error: '{out}/eval_results.json' holds an earlier evaluation: overwrite it with --overwrite_output_dir=true, "
+        "or write this one to another --output_dir"
+    )
+    main([*compare, "--overwrite_output_dir=true"])
     with open(os.path.join(out, "eval_results.json")) as f:
         results = json.load(f)
     before, after = results["models"][model_dir], results["models"][trainer.args.output_dir]
