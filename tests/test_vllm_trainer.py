@@ -436,8 +436,8 @@ def demo(tmp_path_factory):
     out, rollouts = tmp_path_factory.mktemp("demo_vllm"), []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DapoTrainer, "generate_samples", recording_generate_samples(rollouts))
-        trainer = train.main(["--demo", "--use_vllm=true", f"--output_dir={out}", f"--max_steps={DEMO_STEPS}",
-                              f"--eval_steps={DEMO_STEPS}", "--eval_samples=4"])  # fmt: skip
+        steps = [f"--max_steps={DEMO_STEPS}", f"--eval_steps={DEMO_STEPS}", "--eval_samples=4"]
+        trainer = train.main(["--demo", "--use_vllm=true", f"--output_dir={out}", *steps])
     assert trainer.update_steps == DEMO_STEPS and trainer.vllm is not None
     return out, [json.loads(line) for line in read_lines(out, "metrics.jsonl")], rollouts
 
