@@ -386,7 +386,7 @@ class DapoTrainer:
         if args.fsdp:  # shard the policy and the reference model over the ranks
             from fsdp import FsdpWorld
 
-            self.world = FsdpWorld.shard(self.world, self.model, self.ref_model)
+            self.world = FsdpWorld.shard_models(self.world, self.model, self.ref_model)
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.tokenizer.padding_side = "left"  # prompts end at the same column, responses start there
         if self.tokenizer.pad_token_id is None:
