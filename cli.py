@@ -56,7 +56,6 @@ def check_arguments(args):
             "answer_format='latex' needs answer_checker='math_verify' (the number checker reads \\frac{3}{4} as 4)",
         ),
         (vllm or not args.model_path.endswith(".gguf"), "use_vllm cannot load a .gguf model: convert it first"),
-        (vllm or processes == 1, "use_vllm does not run under torchrun yet"),
         (
             not args.fsdp or processes > 1,
             "fsdp shards over processes: torchrun --nproc_per_node=N train.py --fsdp=true",
@@ -111,6 +110,11 @@ def parse_cli(arguments_class, argv=None):
     for i, token in enumerate(argv):  # `--reward_weights=1,0.5` -> `--reward_weights 1 0.5`
         if token.startswith("--reward_weights="):
             argv[i : i + 1] = ["--reward_weights", *token.split("=", 1)[1].split(",")]
+    if any(token.split("=")[0] == "--vllm_tensor_parallel_size" for token in argv):  # TRL's name, not offered here
+        parser.error(
+            "vllm_tensor_parallel_size is not offered: each process's vLLM engine holds the whole model on its "
+            "own GPU (one engine per rank, tensor parallel size 1); to shard training use --fsdp=true"
+        )
     unset = argparse.Namespace(started=time.perf_counter(), **dict.fromkeys(fields, dataclasses.MISSING))
     namespace = parser.parse_args(argv, namespace=unset)
     if namespace.compare and not namespace.eval_only:

@@ -105,7 +105,11 @@ def evaluate_model(trainer, num_samples, batch_size, num_examples=0):
     trainer.model.eval()
     records, examples = [], []
     batches = DataLoader(world.share(dataset), batch_size=batch_size, shuffle=False)
-    for batch in world.while_unsharded(trainer.model, batches):  # --fsdp: gathered once for all batches
+    if trainer.vllm:  # vLLM holds the full weights: they follow the policy here, where every rank is (--fsdp gathers)
+        trainer.vllm.follow(trainer.model, trainer.state.update_steps)
+    else:
+        batches = world.while_unsharded(trainer.model, batches)  # --fsdp: gathered once for all batches
+    for batch in batches:
         responses, lengths, truncated = trainer.respond(batch["prompt"], k)  # k rows per problem
         for i, (question, answer) in enumerate(zip(batch["prompt"], batch["answer"])):
             rows = slice(i * k, (i + 1) * k)

@@ -37,7 +37,7 @@ class FsdpWorld(World):
         self.unsharded_depth = 0  # nested `unsharded` blocks: the outermost gathers and reshards
 
     @classmethod
-    def shard(cls, world, *models):
+    def shard_models(cls, world, *models):
         """world's ranks, with each model (None skipped) sharded by fully_shard: every decoder layer, then the root
         (embeddings, final norm, lm_head). Parameters, gradients and the optimizer's states (made afterwards, over
         the sharded parameters) then live 1/N on each rank; a module's full parameters exist only around its

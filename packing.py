@@ -23,6 +23,16 @@ def join_batches(batches):
     return joined
 
 
+def numbered(batches):
+    """DataLoader batches as a list, each with "index" [b]: its prompts' places in the epoch's order (the same on
+    every rank, whatever the batch size), which seed their vLLM responses (VllmSampler.rollout_seeds)."""
+    indexed, first = [], 0
+    for batch in batches:
+        indexed.append(batch | {"index": torch.arange(first, first + len(batch["prompt"]))})
+        first += len(batch["prompt"])
+    return indexed
+
+
 def pad_and_cat(tensors, value):
     """[N_i, T_i] tensors right-padded with value to the widest, concatenated: [sum N_i, max T_i]."""
     width = max(x.size(1) for x in tensors)
@@ -40,11 +50,12 @@ def trim_group(attention_mask, num_actions):
     return slice(first, P + width), width
 
 
-def pad_and_cat_groups(groups, pad_token_id):
+def pad_and_cat_groups(groups, pad_token_id, step=0):
     """Join groups whose prompts (left-padded) or responses (right-padded) differ in length.
 
     groups: train.Samples (prompt_response_ids / attention_mask [G, P_i+T_i], action_mask and sampler_log_probs
-    [G, T_i], advantages [G]). Returns the MicroBatch fields as [sum G, ...] tensors, padded to max P_i and T_i.
+    [G, T_i], advantages [G]). Returns the MicroBatch fields as [sum G, ...] tensors, padded to max P_i and T_i;
+    with vLLM's log-probs, each row's sampler_lag: step (pi_old's) minus the step that sampled its group.
     """
     num_actions = [group.action_mask.size(1) for group in groups]
     prompt_lengths = [group.prompt_response_ids.size(1) - t for group, t in zip(groups, num_actions)]
@@ -61,6 +72,7 @@ def pad_and_cat_groups(groups, pad_token_id):
     batch["advantages"] = torch.cat([group.advantages for group in groups])
     if groups[0].sampler_log_probs is not None:  # use_vllm
         batch["sampler_log_probs"] = padded("sampler_log_probs", False)
+        batch["sampler_lag"] = torch.tensor([step - g.sampled_at for g in groups for _ in range(g.advantages.numel())])
     return batch
 
 

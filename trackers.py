@@ -15,14 +15,19 @@ def step_record(step, metrics):
     totals for times, loss, tokens and failed answer checks; mean / min / max response length; mean and std per
     reward function (None rewards, NaN here, left out); the largest of the maxima; the mean of everything else. Per-token values
     (a list per micro-step: vllm_sampler.sampler_correction's) are reduced over the step's tokens: the gap's
-    mean, median, 95th percentile and maximum, the weights' effective sample size, shares as token means."""
+    mean, median, 95th percentile and maximum (fresh and lagged groups apart), the weights' effective sample size,
+    shares as token means; lagged groups are counted."""
     record = {"step": step}
     for key, values in metrics.items():
         if values and isinstance(values[0], list):  # per-token values, a list per micro-step: the step's tokens
             values = [value for part in values for value in part]
             if not values:
                 continue
-        if key.startswith(("time/", "reward_errors/", "reward_timeouts/")) or key in ("loss", "num_tokens"):
+        if key.startswith(("time/", "reward_errors/", "reward_timeouts/")) or key in (
+            "loss",
+            "num_tokens",
+            "vllm/lagged_groups",
+        ):
             record[key] = sum(values)
         elif key == "completions/length":
             record.update({"completions/mean_length": fmean(values), "completions/min_length": min(values)})
@@ -31,7 +36,7 @@ def step_record(step, metrics):
             seen = [value for value in values if not math.isnan(value)]
             if seen:
                 record[f"{key}/mean"], record[f"{key}/std"] = fmean(seen), stdev(seen) if len(seen) > 1 else 0.0
-        elif key == "vllm/logprob_diff":  # |log pi_old - log pi_vLLM| per response token
+        elif key in ("vllm/logprob_diff", "vllm/lag_logprob_diff"):  # |log pi_old - log pi_vLLM| per response token
             ranked = sorted(values)
             record.update({f"{key}_mean": fmean(ranked), f"{key}_p50": percentile(ranked, 0.5)})
             record.update({f"{key}_p95": percentile(ranked, 0.95), f"{key}_max": ranked[-1]})

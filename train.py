@@ -34,7 +34,7 @@ from transformers import GenerationConfig
 
 from kernels import generate_sharing_prompts, reuse_freed_memory, sampling_processors, selective_log_softmax
 from packing import join_batches, micro_batch_groups, pack_sequences, pad_and_cat, pad_and_cat_groups
-from packing import padded_sequences, trim_group, unpack
+from packing import numbered, padded_sequences, trim_group, unpack
 from cli import check_arguments, check_before_loading, check_eval_only, parse_cli, run_settings
 from data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_system_prompt
 from run_dir import claim_output_dir, hold_output_dir
@@ -75,6 +75,7 @@ class Samples:
     response_length: torch.Tensor  # [G] number of response tokens (EOS included)
     sampler_log_probs: Optional[torch.Tensor] = None  # [G, T] vLLM's log-probs of the drawn tokens (use_vllm)
     advantages: Optional[torch.Tensor] = None  # [G] Eq. (9), once scored (generate_experiences)
+    sampled_at: int = 0  # the optimizer steps the policy had taken when it was sampled (use_vllm: the gap's lag)
 
 
 @dataclass
@@ -86,6 +87,7 @@ class MicroBatch:
     action_mask: torch.LongTensor  # [N, T] the loss's tokens (0 for an overlong_filter-ed response)
     advantages: torch.Tensor  # [N]
     sampler_log_probs: Optional[torch.Tensor] = None  # [N, T] vLLM's (use_vllm)
+    sampler_lag: Optional[torch.Tensor] = None  # [N] steps from the weights that sampled a row to pi_old's (use_vllm)
     old_action_log_probs: Optional[torch.Tensor] = None  # [N, T] pi_old's; None: pi_old = pi_theta (ratio 1)
     ref_action_log_probs: Optional[torch.Tensor] = None  # [N, T] pi_ref's (beta > 0)
 
@@ -385,7 +387,7 @@ class DapoTrainer:
         if args.fsdp:  # shard the policy and the reference model over the ranks
             from fsdp import FsdpWorld
 
-            self.world = FsdpWorld.shard(self.world, self.model, self.ref_model)
+            self.world = FsdpWorld.shard_models(self.world, self.model, self.ref_model)
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.tokenizer.padding_side = "left"  # prompts end at the same column, responses start there
         if self.tokenizer.pad_token_id is None:
@@ -417,7 +419,7 @@ class DapoTrainer:
         if args.use_vllm:
             from vllm_sampler import VllmSampler
 
-            self.vllm, self.vllm_step = VllmSampler.for_trainer(self.model, args), 0
+            self.vllm = VllmSampler.for_trainer(self.model, args)  # one per process (torchrun: per rank)
 
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.state = LoopState(world_size=self.world.size)
@@ -469,16 +471,13 @@ class DapoTrainer:
         finally:
             self.model.generation_config = saved_config
 
-    def sample_with_vllm(self, input_ids, attention_mask):
-        """sample() through vLLM, with the policy's current weights; vLLM's log-probs of the drawn tokens [N, T']
-        measure the sampler/learner gap (and correct it)."""
-        if self.vllm_step != self.state.update_steps:  # the policy stepped since vLLM last saw it
-            self.vllm.load_weights(self.model)
-            self.vllm_step = self.state.update_steps
-        a, pad = self.args, self.tokenizer.pad_token_id
-        sampling = (pad, a.temperature, a.top_p, a.top_k, a.max_generate_length, self.eos_token_ids)
-        response_ids, log_probs = self.vllm.sample(input_ids, attention_mask, *sampling)
-        return torch.cat([input_ids, response_ids], dim=1), log_probs
+    def sample_with_vllm(self, input_ids, attention_mask, prompt_indices=None):
+        """sample() through vLLM, synced to the policy; prompt_indices [N / G] (a rollout) seed each response."""
+        a, pad, step = self.args, self.tokenizer.pad_token_id, self.state.update_steps
+        self.vllm.follow(self.model, step)  # a rollout: every rank at once; an evaluation syncs before its batches
+        seeds = None if prompt_indices is None else self.vllm.rollout_seeds(step, prompt_indices, a.num_generations)
+        sampling = (pad, a.temperature, a.top_p, a.top_k, a.max_generate_length, self.eos_token_ids, seeds)
+        return self.vllm.sample(input_ids, attention_mask, *sampling)
 
     def generate_samples(self, inputs):
         """num_generations responses to each prompt of the batch, in one generate call (or one per
@@ -490,7 +489,8 @@ class DapoTrainer:
         prompt_ids, prompt_mask = self.encode_prompts(prompts)  # [B, P]
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
         rows = len(prompt_ids) if self.vllm else max(1, self.args.max_generation_rows // G) * G
-        drawn = [self.sample(*x) for x in zip(prompt_ids.split(rows), prompt_mask.split(rows))]  # [(ids, log-probs)]
+        sample = (lambda *x: self.sample_with_vllm(*x, inputs.get("index"))) if self.vllm else self.sample  # seeded
+        drawn = [sample(*x) for x in zip(prompt_ids.split(rows), prompt_mask.split(rows))]  # [(ids, log-probs)]
         calls = [ids[:, prompt_ids.size(1) :] for ids, _ in drawn]
         masks = [response_mask(ids, self.eos_token_ids, ids.size(1)) for ids in calls]  # each call's own budget
         action_mask = pad_and_cat(masks, 0)  # [B*G, T]
@@ -508,7 +508,7 @@ class DapoTrainer:
             group |= dict(response_ids=response_ids[g, :T], action_mask=action_mask[g, :T], num_actions=T)
             sampler = None if sampler_log_probs is None else sampler_log_probs[g, :T]
             group |= dict(response_length=action_mask[g].sum(-1), sampler_log_probs=sampler)
-            samples.append(Samples(prompt=prompt, answer=answer, **group))
+            samples.append(Samples(prompt=prompt, answer=answer, sampled_at=self.state.update_steps, **group))
         return samples
 
     # ---- 4.2 rewards, advantages, dynamic sampling ----
@@ -574,7 +574,7 @@ class DapoTrainer:
         tokens = [int(group.attention_mask.sum()) for group in groups]  # each group's real tokens
         micro_batches = []
         for members in micro_batch_groups(tokens, args.batch_size, args.steps_per_generation, args.padding_free):
-            inputs = MicroBatch(**pad_and_cat_groups([groups[g] for g in members], pad))
+            inputs = MicroBatch(**pad_and_cat_groups([groups[g] for g in members], pad, self.state.update_steps))
             model_inputs, ref = self.model_inputs(inputs), self.ref_model
             inputs.old_action_log_probs = self.get_action_log_probs(self.model, *model_inputs) if reused else None
             inputs.ref_action_log_probs = None if ref is None else self.get_action_log_probs(ref, *model_inputs)
@@ -600,7 +600,7 @@ class DapoTrainer:
         if sampler_log_probs is not None:  # vLLM drew the tokens, the loss assumes pi_old did: gap, guard, weights
             from vllm_sampler import sampler_correction
 
-            weight, metrics = sampler_correction(old_log_probs.detach(), sampler_log_probs, action_mask, args)
+            weight, metrics = sampler_correction(old_log_probs.detach(), inputs, args)
             per_token_loss = per_token_loss * weight  # [N, T]; 1 without vllm_importance_sampling_cap
         if args.beta != 0.0:
             kl = k3_kl(log_probs, inputs.ref_action_log_probs, action_mask)  # [N, T]
@@ -739,7 +739,7 @@ class DapoTrainer:
         per_rank = args.batch_size * args.gradient_accumulation_steps * args.steps_per_generation
         order = torch.Generator().manual_seed(args.seed + state.epoch)
         loader = DataLoader(self.train_dataset, batch_size=args.batch_size, shuffle=True, generator=order)
-        batches = list(self.world.shard(loader))[state.batches_done :]  # batches rank, rank + N, ...
+        batches = list(self.world.shard(numbered(loader)))[state.batches_done :]  # batches rank, rank + N, ...
         while batches:
             held, sizes = len(state.buffer), (args.batch_size, args.generation_batch_size)
             count = self.world.rounds_to_sample(held, per_rank, *sizes)  # collective under torchrun

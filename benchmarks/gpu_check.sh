@@ -3,8 +3,9 @@
 # (bench.py's qwen2.5-1.5b, the real 151,936-id vocabulary), a few optimizer steps with use_vllm off and
 # on, side by side; prints s/step, sampled tokens/s and peak memory against a 48 GB card; then one vLLM call of
 # 64 prompts x G 16 and the sampler/learner gap's percentiles; then padded against padding_free training
-# passes on responses of real lengths. ~9 minutes on one H100/H200-class GPU (vLLM's start-ups and
-# torch.compile included); the three parts stop themselves at 9.5, 5 and 4 minutes.
+# passes on responses of real lengths; on a machine with 2 GPUs or more, the demo under torchrun with an engine per
+# GPU (DDP with sleep mode, then FSDP). ~9 minutes on one H100/H200-class GPU (vLLM's start-ups and torch.compile
+# included); the parts stop themselves at 9.5, 5, 4 and 2 x 4 minutes.
 #
 #   bash benchmarks/gpu_check.sh            # on a CUDA machine
 #   bash benchmarks/gpu_check.sh --cpu      # no GPU: the same plumbing, small shape, 16 tokens (~3 min on 2 cores)
@@ -92,7 +93,7 @@ for _ in range(2):
     start = time.perf_counter()
     runs.append(sampler.sample(ids, mask, tokenizer.pad_token_id, 1.0, 1.0, 0, max_tokens, []))
     seconds = time.perf_counter() - start
-responses, vllm_log_probs = runs[0]  # [1024, T] each (no stop token: every row has max_tokens)
+responses, vllm_log_probs = runs[0][0][:, ids.size(1) :], runs[0][1]  # [1024, T] each (every row has max_tokens)
 gaps = []
 with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
     for rows in torch.arange(len(ids)).split(64):
@@ -125,6 +126,40 @@ else
 fi
 timeout 240 "$PYTHON" benchmarks/bench.py --no_loss_check --batch_size 4 --configs "default (train.py),+padding_free" \
     "${packed[@]}" || echo "gpu_check: the padding_free comparison did not finish in 240 s"
+
+# One vLLM engine per rank: 2 processes on 2 GPUs, each building its engine on cuda:LOCAL_RANK (the demo's tiny
+# model: the plumbing, not the speed): DDP with sleep mode (each engine sleeps between rollouts and wakes its
+# weights for every sync), then --fsdp (the weights reach each engine tensor by tensor, gathered from the shards).
+# Prints each run's largest sampler/learner gap and the most memory each GPU held (nvidia-smi every second).
+gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [[ $mode == cuda && $gpus -ge 2 ]]; then
+    for extra in "--vllm_enable_sleep_mode=true" "--fsdp=true"; do
+        run_dir="$OUT/torchrun_vllm${extra//[^a-z]/_}"
+        echo "gpu_check: torchrun --nproc_per_node=2 train.py --demo --use_vllm=true --device=cuda $extra --max_steps=3"
+        nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -l 1 > "$run_dir.smi" 2>/dev/null &
+        smi=$!
+        timeout 240 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=2 train.py --demo --use_vllm=true \
+            --device=cuda "$extra" --max_steps=3 --eval_steps=3 --eval_samples=20 --output_dir="$run_dir" \
+            --vllm_gpu_memory_utilization=0.2 > "$run_dir.log" 2>&1 \
+            && status=ok || status="FAILED (exit $?, the last lines of $run_dir.log below)"
+        kill "$smi" 2>/dev/null || true
+        echo "  $status"
+        [[ $status == ok ]] || tail -20 "$run_dir.log"
+        "$PYTHON" - "$run_dir" <<'EOF' || true
+import collections, json, sys
+records = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]
+print("  steps", [r["step"] for r in records], "max |pi_old - vLLM| per step (fresh groups):",
+      [f"{r.get('vllm/logprob_diff_max', float('nan')):.2e}" for r in records])
+peak = collections.defaultdict(int)
+for line in open(f"{sys.argv[1]}.smi"):
+    index, used = map(int, line.split(","))
+    peak[index] = max(peak[index], used)
+print("  most memory held per GPU (MiB):", dict(sorted(peak.items())))
+EOF
+    done
+else
+    echo "gpu_check: skipped torchrun with an engine per rank ($gpus GPU(s) visible; it needs 2 or more)"
+fi
 
 BUDGET_GB="$BUDGET_GB" "$PYTHON" - "$JSON" <<'EOF'
 import json, os, sys

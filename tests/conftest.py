@@ -108,6 +108,21 @@ def scripted_sampler(trainer, responses):
     trainer.sample = sample
 
 
+def recording_generate_samples(rollouts):
+    """DapoTrainer.generate_samples that also appends {"step", "index": the prompt's place in the epoch, "responses":
+    its G response ids} to rollouts for every group it samples for training."""
+    generate_samples = DapoTrainer.generate_samples
+
+    def recording(self, inputs):
+        samples = generate_samples(self, inputs)
+        for index, group in zip(inputs["index"].tolist(), samples):
+            responses = [ids[mask.bool()].tolist() for ids, mask in zip(group.response_ids, group.action_mask)]
+            rollouts.append({"step": self.state.update_steps, "index": index, "responses": responses})
+        return samples
+
+    return recording
+
+
 def token_ids(tokenizer, text):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

@@ -1,8 +1,10 @@
-"""Run by tests/test_distributed.py, under `python` (one process) or `torch.distributed.run` (several):
+"""Run by tests/test_distributed.py and tests/test_vllm_trainer.py, under `python` (one process) or
+`torch.distributed.run` (several):
 
     dist_worker.py SCENARIO MODEL_DIR DATA_DIR OUT_DIR [JSON overrides]
 
-Generation is scripted (fixed responses per prompt), so that one process and several see the same groups.
+Generation is scripted (fixed responses per prompt), so that one process and several see the same groups; the
+"main" scenario runs train.main({"argv": [...]}) as train.py does, with vLLM sampling, recording each rank's rollouts.
 Rank 0 writes OUT_DIR/result.pt; every rank writes OUT_DIR/rank_R.json.
 """
 
@@ -16,9 +18,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import distributed  # noqa: E402
+import train  # noqa: E402
 from checkpoints import resume_run  # noqa: E402
 from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward  # noqa: E402
 from train import DapoArguments, DapoTrainer, GSM8KDataset  # noqa: E402
+from conftest import recording_generate_samples  # noqa: E402
 
 scenario, model_dir, data_dir, out = sys.argv[1:5]
 overrides = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
@@ -109,9 +114,13 @@ elif scenario == "starved_rank":  # rank 1 keeps no group: rank 0 fills every st
         trainer.train()
     except RuntimeError as error:
         report["error"], report["rounds"] = str(error), trainer.state.rounds
+elif scenario == "main":  # train.py's main (training or --eval_only), with vLLM: what each rank sampled
+    DapoTrainer.generate_samples = recording_generate_samples(report.setdefault("rollouts", []))
+    train.main(overrides["argv"])
 if rank == 0:
     torch.save(result, os.path.join(out, "result.pt"))
 with open(os.path.join(out, f"rank_{rank}.json"), "w") as f:
     json.dump(report, f)
 if torch.distributed.is_initialized():  # the ranks leave together: a rank whose peer already tore the process
     torch.distributed.barrier()  # group down could abort at exit ("terminate called without an active exception")
+distributed.end_of_run()  # as train.py ends: before vLLM's own clean-up would tear the process group down again

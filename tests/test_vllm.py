@@ -151,6 +151,18 @@ def test_seeded_sampling_is_reproducible(tiny):
     assert len({tuple(r) for r in runs[0]}) > 1  # and the rows of a group differ
 
 
+def test_a_rows_seed_decides_its_response_not_its_batch(tiny):
+    """rollout_seeds: one seed per (step, prompt index, response index); a prompt's row draws the same response alone
+    or after another prompt, as on another rank or in another batch."""
+    _, _, sampler, prompts = tiny
+    seeds = sampler.rollout_seeds(step=3, prompt_indices=[7, 2], group_size=2)
+    assert seeds[2:] == sampler.rollout_seeds(3, [2], 2) and seeds != sampler.rollout_seeds(4, [7, 2], 2)
+    assert len(set(seeds)) == 4 and all(0 <= seed < 2**31 for seed in seeds)
+    both, _ = sampler.generate(prompts[:2], n=2, temperature=1.0, max_tokens=8, seeds=seeds)
+    alone, _ = sampler.generate(prompts[1:2], n=2, temperature=1.0, max_tokens=8, seeds=seeds[2:])
+    assert both[2:] == alone and both[0] != both[1]
+
+
 def test_load_weights_follows_an_optimizer_step(tiny):
     tokenizer, model, sampler, prompts = tiny
     old_ids, old_lps = sampler.generate(prompts, n=1, temperature=0.0, max_tokens=8)  # fills the prefix cache
@@ -243,7 +255,9 @@ def test_a_rollout_of_16_prompts_times_16_past_the_token_budget(tiny):
     width = max(map(len, prompts))
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])  # [256, P]
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    response_ids, log_probs = sampler.sample(input_ids, attention_mask, tokenizer.pad_token_id, 1.0, 1.0, 0, 6, [])
+    ids, log_probs = sampler.sample(input_ids, attention_mask, tokenizer.pad_token_id, 1.0, 1.0, 0, 6, [])
+    assert torch.equal(ids[:, :width], input_ids)
+    response_ids = ids[:, width:]
     assert response_ids.shape == log_probs.shape == (256, 6)
     assert len({tuple(row) for row in response_ids[:16].tolist()}) > 1  # G draws, not one draw 16 times
     assert_log_probs_match(model, prompts, response_ids.tolist(), log_probs.tolist(), rows=range(0, 256, 37))
