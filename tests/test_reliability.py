@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 
+import checkpoints
 import train
 from conftest import make_batch
 from curves import read_jsonl
@@ -158,7 +159,7 @@ def test_bad_settings_stop_before_anything_loads(world, tmp_path, monkeypatch):
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(train, "load_causal_lm", no_loading)
+    monkeypatch.setattr(checkpoints, "load_causal_lm", no_loading)  # DapoTrainer loads model_path
     monkeypatch.setattr(train, "load_tokenizer", no_loading)
     with pytest.raises(SystemExit, match="reward_weights has 2 entries for 4 reward functions"):
         main(run_args(world, tmp_path / "a", "--reward_weights=1,2"))
