@@ -14,7 +14,7 @@ import typing
 import torch
 from transformers import HfArgumentParser
 
-from checkpoints import checkpoint_arguments, checkpoint_path, find_checkpoint, find_checkpoints
+from checkpoints import checkpoint_arguments, checkpoint_damage, checkpoint_path, find_checkpoint, find_checkpoints
 from data import load_split
 from run_dir import LOCK_FILE
 
@@ -107,7 +107,7 @@ def parse_cli(arguments_class, argv=None):
     return namespace, {name: value for name, value in given.items() if value is not dataclasses.MISSING}
 
 
-def run_settings(cli, given, default_output_dir):
+def run_settings(cli, given, arguments_class):
     """(overrides, checkpoint or None): what was given on the command line, over the checkpoint's settings
     (--resume), over the demo's (--demo)."""
     defaults, checkpoint = {}, None
@@ -116,9 +116,9 @@ def run_settings(cli, given, default_output_dir):
 
         defaults = dict(DEMO_ARGS)
     if cli.resume:
-        output_dir = given.get("output_dir", defaults.get("output_dir", default_output_dir))
+        output_dir = given.get("output_dir", defaults.get("output_dir", arguments_class.output_dir))
         checkpoint = find_checkpoint(cli.resume, output_dir)
-        defaults |= checkpoint_arguments(checkpoint)
+        defaults |= checkpoint_arguments(checkpoint, arguments_class)
     return defaults | given, checkpoint
 
 
@@ -167,9 +167,18 @@ def eval_model(path, flag):
 
 
 def check_eval_only(args, compare):
-    """--eval_only's checks before anything loads, each exiting with one line: the model(s) exist, the data set
-    has a test split with rows and the columns. Returns the model paths to evaluate."""
+    """--eval_only's checks before anything loads, each exiting with one line: both models exist, read back
+    (safetensors headers, checksums.json) and suit the sampler; the data set has a test split with rows and the
+    columns. Returns the model paths to evaluate."""
     models = [eval_model(args.model_path, "--model_path")] + ([eval_model(compare, "--compare")] if compare else [])
+    for flag, path in zip(("--model_path", "--compare"), models):
+        if path.endswith(".gguf"):
+            if args.use_vllm:
+                sys.exit(f"error: {flag} {path!r}: use_vllm cannot load a .gguf model: convert it first")
+            continue
+        damage = checkpoint_damage(path, needs=()) if any(n.endswith(".safetensors") for n in os.listdir(path)) else ""
+        if damage:
+            sys.exit(f"error: {flag}: {damage}")
     try:
         columns = (args.question_column, args.answer_column)  # 0: no test rows held out of train, the real test split
         load_split(args.data_path, "test", 0, columns, args.answer_format)

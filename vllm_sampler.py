@@ -9,7 +9,9 @@ policy's parameters into vLLM's model in place (no disk in the hot path). Instal
 
 import os
 import random
+import shutil
 import tempfile
+import weakref
 
 import numpy as np
 import torch
@@ -128,6 +130,7 @@ class VllmSampler:
         # then keeps: measured |logprob diff| 1.3 instead of 1e-6. The model's generation_config.json
         # is written too; generation_config="vllm" and ignore_eos below keep it out of sampling.
         self.model_dir = tempfile.mkdtemp(prefix="vllm_sampler_")
+        self.remove_model_dir = weakref.finalize(self, shutil.rmtree, self.model_dir, True)  # when freed, or at exit
         model.save_pretrained(self.model_dir)
         on_cuda = str(device).startswith("cuda")
         self.rng = random.Random(seed)  # per-request seeds: reproducible, independent of torch's RNG
