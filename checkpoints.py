@@ -1,14 +1,18 @@
-"""Models and checkpoints: load a policy (folder or .gguf); save, find and load checkpoints that resume a run
-exactly, cutting the logs back to the checkpoint's step; Ctrl-C that stops at a step end with a checkpoint."""
+"""Models and checkpoints: load a policy (folder or .gguf); save, find, check (sha256 of each file) and load
+checkpoints that resume a run exactly, cutting the logs back to the checkpoint's step; the final model saved
+atomically; writes that fail (a full disk) in one line; Ctrl-C and SIGTERM that stop with a checkpoint."""
 
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
 import signal
 import threading
+import types
+import typing
 import zipfile
 
 import safetensors
@@ -17,9 +21,12 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from curves import in_words, read_jsonl, read_step_log, subfolders
+from writes import WRITE_ERRORS, WriteFailed, why, writing
 
 TRAINER_STATE = "trainer_state.pt"  # in the newest checkpoint: optimizer, scheduler, loop state, RNG
 ARGS_FILE = "dapo_args.json"  # in each checkpoint: the DapoArguments used
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; SIGTERM: what SLURM and Kubernetes send before a kill
+CHECKSUMS = "checksums.json"  # in each checkpoint: {file: sha256}, checked on resume (a flipped bit reads back)
 # in output_dir
 LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl", "evaluations.jsonl")
 # What one optimizer step is made of: changing one of these on resume would silently change the run.
@@ -69,16 +76,13 @@ def reference_model(policy, args):
     return copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
 
 
-def save_final_model(model, tokenizer, args, state=None):
-    """The end of a run: the model and tokenizer in output_dir (state: the full state dict under --fsdp). With LoRA
-    output_dir is the adapter folder and, with merge_lora, output_dir/merged the base with the adapters merged in,
-    a model that from_pretrained loads alone."""
-    model.save_pretrained(args.output_dir, state_dict=state)
-    tokenizer.save_pretrained(args.output_dir)
-    if args.merge_lora:
-        from lora import MERGED_DIR, save_merged
-
-        save_merged(model, tokenizer, os.path.join(args.output_dir, MERGED_DIR))
+def non_finite_weights(model):
+    """'' when every weight is finite, else the parameters that hold a NaN or an infinity in words (under --fsdp:
+    this rank's shards)."""
+    params = [(name, p.to_local() if hasattr(p, "to_local") else p) for name, p in model.named_parameters()]
+    finite = torch.stack([p.detach().isfinite().all() for _, p in params]).tolist()  # one device sync
+    bad = [name for (name, _), ok in zip(params, finite) if not ok]
+    return "" if not bad else bad[0] if len(bad) == 1 else f"{bad[0]} and {len(bad) - 1} more tensors"
 
 
 def load_tokenizer(path):
@@ -94,9 +98,10 @@ def checkpoint_path(output_dir, step):
 def save_checkpoint(trainer, model_state=None, optimizer_state=None):
     """output_dir/checkpoint_N: model, tokenizer, optimizer, scheduler, loop position, RNG, arguments.
 
-    Written at a step end to checkpoint_N.tmp, read back (checkpoint_damage) and renamed into place, so a crash
-    (or a full disk) never leaves a complete-looking half checkpoint. Only then do older checkpoints drop their
-    trainer state (keeping weights and tokenizer): one intact resumable checkpoint always exists.
+    Written at a step end to checkpoint_N.tmp with the sha256 of each file, read back (checkpoint_damage) and
+    renamed into place, so a crash (or a full disk: one line, WriteFailed) never leaves a complete-looking half
+    checkpoint. Only then do older checkpoints drop their trainer state (keeping weights and tokenizer): one
+    intact resumable checkpoint always exists.
     model_state, optimizer_state: the full states when the trainer's are sharded (--fsdp; see
     save_run_checkpoint); None = the model's and optimizer's own.
     """
@@ -118,14 +123,17 @@ def save_checkpoint(trainer, model_state=None, optimizer_state=None):
         }
         with open(os.path.join(tmp, ARGS_FILE), "w", encoding="utf-8") as f:
             json.dump(saved_args, f, indent=2)
-        damage = checkpoint_damage(tmp)  # read back before any older trainer state goes
+        write_checksums(tmp)
+        damage = checkpoint_damage(tmp, checksums=False)  # read back before any older trainer state goes
         if damage:
             raise OSError(damage)
-    except (OSError, RuntimeError) as error:  # torch reports a full disk as "RuntimeError: [enforce fail ...]"
+    except (*WRITE_ERRORS, KeyboardInterrupt) as error:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C while writing: no half checkpoint stays
+            raise
         previous = [s for s in find_checkpoints(args.output_dir) if s != step]
         intact = f"checkpoint_{max(previous)} is intact" if previous else "no earlier checkpoint exists"
-        raise RuntimeError(f"could not write checkpoint_{step} (disk full?): {error}; {intact}") from error
+        raise WriteFailed(f"could not write checkpoint_{step} (disk full?): {why(error)}; {intact}") from error
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     # Only the newest checkpoint keeps the trainer state (a 1.5B model's Adam states are 12 GB).
@@ -138,13 +146,41 @@ def save_checkpoint(trainer, model_state=None, optimizer_state=None):
     return final
 
 
-def checkpoint_arguments(checkpoint):
-    """The DapoArguments fields a resumed run inherits: all but the device (the machine's own), with
-    output_dir the folder that holds the checkpoint."""
-    with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as f:
+def checkpoint_arguments(checkpoint, arguments_class):
+    """The arguments_class (DapoArguments) fields a resumed run inherits: all but the device (the machine's own),
+    with output_dir the folder that holds the checkpoint. A key that is no field, or a value of another type
+    (an edited or foreign file), is a ValueError naming the file and the key."""
+    path = os.path.join(checkpoint, ARGS_FILE)
+    with open(path, encoding="utf-8") as f:
         saved = json.load(f)
+    fields = {field.name: field for field in dataclasses.fields(arguments_class)}
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} holds no arguments ({type(saved).__name__}, not an object): a damaged checkpoint")
+    for key, value in saved.items():
+        if key not in fields:
+            raise ValueError(f"{path} has the key {key!r}, which is no {arguments_class.__name__} field: remove it")
+        field = fields[key]  # HfArgumentParser drops Optional from a field's type: None fits a None default
+        if not (fits(value, field.type) or (value is None and field.default is None)):
+            kind = field.type.__name__ if isinstance(field.type, type) else str(field.type).replace("typing.", "")
+            raise ValueError(f"{path}: {key} = {value!r} is not of its type ({kind}): correct or remove it")
     saved.pop("device", None)
     return saved | {"output_dir": os.path.dirname(os.path.abspath(checkpoint))}
+
+
+def fits(value, kind):
+    """Whether a JSON value fits a dataclass field's type (str, int, float, bool, Literal, Optional, List)."""
+    origin, parts = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Literal:
+        return value in parts
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, part) for part in parts)
+    if origin is list:
+        return isinstance(value, list) and all(fits(item, parts[0]) for item in value)
+    if kind is float:  # JSON writes 1.0 as 1.0 but a hand edit may write 1
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, type(None) if kind is type(None) else kind)
 
 
 def resume(trainer, checkpoint, cut_logs=True):
@@ -280,12 +316,13 @@ def find_checkpoint(resume, output_dir):
     return resume
 
 
-def checkpoint_damage(folder, resumable=True):
-    """'' when a checkpoint reads back, else its first missing or damaged file in words. Cheap, no tensor
-    loaded: each weights file's safetensors header, whose offsets must cover the file's size; the trainer
-    state's zip index (torch.save writes a zip whose index is at its end); the arguments' JSON."""
+def checkpoint_damage(folder, needs=(ARGS_FILE, TRAINER_STATE), checksums=True):
+    """'' when a checkpoint reads back, else its first missing or damaged file in words (needs: the files besides
+    the weights; () for a model folder). Cheap, no tensor loaded: each weights file's safetensors header, whose
+    offsets must cover the file's size; the trainer state's zip index (torch.save writes a zip whose index is at
+    its end); the arguments' JSON. With checksums, also each file's sha256 in checksums.json (a flipped bit)."""
     weights = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors")) or ["model.safetensors"]
-    for name in [*weights, ARGS_FILE, *([TRAINER_STATE] if resumable else [])]:
+    for name in [*weights, *needs]:
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
             newest = " (only the newest checkpoint keeps one)" if name == TRAINER_STATE else ""
@@ -300,6 +337,36 @@ def checkpoint_damage(folder, resumable=True):
                     json.load(f)
         except Exception as error:  # noqa: BLE001 - SafetensorError, BadZipFile, JSONDecodeError, OSError
             return f"{path} is damaged ({error})"
+    return checksum_damage(folder) if checksums else ""
+
+
+def file_sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_checksums(folder):
+    """folder/checksums.json: the sha256 of each file in folder."""
+    names = sorted(name for name in os.listdir(folder) if name != CHECKSUMS)
+    with open(os.path.join(folder, CHECKSUMS), "w", encoding="utf-8") as f:
+        json.dump({name: file_sha256(os.path.join(folder, name)) for name in names}, f, indent=2)
+
+
+def checksum_damage(folder):
+    """'' when each file that checksums.json lists and folder still holds has its sha256 (an older checkpoint's
+    trainer state is gone on purpose; a checkpoint written before checksums has none to check)."""
+    path = os.path.join(folder, CHECKSUMS)
+    if not os.path.isfile(path):
+        return ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            expected = dict(json.load(f))
+    except (OSError, ValueError, TypeError) as error:
+        return f"{path} is damaged ({error})"
+    for name, digest in expected.items():
+        file = os.path.join(folder, name)
+        if os.path.isfile(file) and file_sha256(file) != digest:
+            return f"{file} is damaged (its sha256 is not the one in {CHECKSUMS}: changed since it was written)"
     return ""
 
 
@@ -311,7 +378,7 @@ def intact_checkpoint(output_dir):
         if not checkpoint_damage(checkpoint_path(output_dir, step)):
             return f"the newest intact checkpoint: --resume={checkpoint_path(output_dir, step)}"
     for step in steps:
-        if not checkpoint_damage(checkpoint_path(output_dir, step), resumable=False):
+        if not checkpoint_damage(checkpoint_path(output_dir, step), needs=(ARGS_FILE,)):
             weights = checkpoint_path(output_dir, step)
             return (
                 f"no intact checkpoint keeps a trainer state; start a new run from its weights: --model_path={weights}"
@@ -319,22 +386,77 @@ def intact_checkpoint(output_dir):
     return "no intact checkpoint is left: start a new run"
 
 
+# ---- the final model, signals ----
+def save_final_model(model, tokenizer, output_dir, state_dict=None, merge_lora=False):
+    """The finished run's model and tokenizer in output_dir, atomically: written to output_dir/final_model.tmp,
+    then moved in with Ctrl-C and SIGTERM held back for the moves (milliseconds), and only then are the weights
+    files of an earlier model that the new one does not have removed. A failure (a full disk) or Ctrl-C while
+    writing leaves output_dir's earlier files as they were. With LoRA the model is the adapter folder and, with
+    merge_lora, output_dir/merged the base with the adapters merged in, a model that from_pretrained loads alone."""
+    tmp, intact = os.path.join(output_dir, "final_model.tmp"), f"; {output_dir} keeps its earlier files"
+    newest = find_checkpoints(output_dir)
+    intact += f", and checkpoint_{max(newest)} this run's weights" if newest else ""
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with writing("the final model to", tmp, intact), sigterm_as_ctrl_c():
+            model.save_pretrained(tmp, state_dict=state_dict)
+            tokenizer.save_pretrained(tmp)
+            if merge_lora:
+                from lora import MERGED_DIR, save_merged
+
+                save_merged(model, tokenizer, os.path.join(tmp, MERGED_DIR))
+    except BaseException as error:  # a full disk, Ctrl-C, SIGTERM: nothing in output_dir has changed
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, KeyboardInterrupt):
+            print(f"stopped while writing the final model{intact}")
+        raise
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        new = set(os.listdir(tmp))
+        for name in sorted(new):
+            if os.path.isdir(os.path.join(output_dir, name)):  # an earlier merged/ model: os.replace needs it gone
+                shutil.rmtree(os.path.join(output_dir, name))
+            os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+        for name in os.listdir(output_dir):  # an earlier model's other shards: the new index does not name them
+            if name.startswith("model") and name.endswith((".safetensors", ".index.json")) and name not in new:
+                os.remove(os.path.join(output_dir, name))
+        os.rmdir(tmp)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c():
+    """SIGTERM raises KeyboardInterrupt in the block, as Ctrl-C does, so that its clean-up runs."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def deferred_interrupts(trainer):
-    """First Ctrl-C: the trainer finishes its optimizer step, saves a checkpoint and stops (it reads
-    trainer.stop_requested at each step end). Second: stop at once."""
+    """First Ctrl-C or SIGTERM: the trainer finishes its optimizer step (or its sampling round), saves a
+    checkpoint and stops (it reads trainer.stop_requested at each step end and between sampling rounds).
+    Second: stop at once."""
 
     def request_stop(signum, frame):
         if trainer.stop_requested:
             raise KeyboardInterrupt
         trainer.stop_requested = True
-        tqdm.write("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: stop now, no checkpoint)")
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        tqdm.write(f"{name}: stopping after this step with a checkpoint ({name} again: stop now, no checkpoint)")
 
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield
         return
-    previous = signal.signal(signal.SIGINT, request_stop)
+    previous = {number: signal.signal(number, request_stop) for number in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)

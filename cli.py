@@ -17,7 +17,8 @@ import typing
 import torch
 from transformers import HfArgumentParser
 
-from checkpoints import ADAPTER_CONFIG, checkpoint_arguments, checkpoint_path, find_checkpoint, find_checkpoints
+from checkpoints import ADAPTER_CONFIG, checkpoint_arguments, checkpoint_damage, checkpoint_path, find_checkpoint
+from checkpoints import find_checkpoints
 from data import load_split
 from run_dir import LOCK_FILE
 
@@ -160,7 +161,7 @@ def one_switch_per_bool(parser):
             action.help = argparse.SUPPRESS
 
 
-def run_settings(cli, given, default_output_dir):
+def run_settings(cli, given, arguments_class):
     """(overrides, checkpoint or None): what was given on the command line, over the checkpoint's settings
     (--resume), over the demo's (--demo)."""
     defaults, checkpoint = {}, None
@@ -169,9 +170,9 @@ def run_settings(cli, given, default_output_dir):
 
         defaults = dict(DEMO_ARGS)
     if cli.resume:
-        output_dir = given.get("output_dir", defaults.get("output_dir", default_output_dir))
+        output_dir = given.get("output_dir", defaults.get("output_dir", arguments_class.output_dir))
         checkpoint = find_checkpoint(cli.resume, output_dir)
-        defaults |= checkpoint_arguments(checkpoint)
+        defaults |= checkpoint_arguments(checkpoint, arguments_class)
     return defaults | given, checkpoint
 
 
@@ -230,10 +231,18 @@ def eval_model(path, flag):
 
 
 def check_eval_only(args, compare):
-    """--eval_only's checks before anything loads, each exiting with one line: the model(s) exist, the data set
-    has a test split with rows and the columns, output_dir holds no earlier evaluation (or may overwrite it, as a
-    run's folder). Returns the model paths to evaluate."""
+    """--eval_only's checks before anything loads, each exiting with one line: both models exist, read back
+    (safetensors headers, checksums.json) and suit the sampler; the data set has a test split with rows and the
+    columns; output_dir holds no earlier evaluation (or may overwrite it, as a run's folder). Returns the model paths to evaluate."""
     models = [eval_model(args.model_path, "--model_path")] + ([eval_model(compare, "--compare")] if compare else [])
+    for flag, path in zip(("--model_path", "--compare"), models):
+        if path.endswith(".gguf"):
+            if args.use_vllm:
+                sys.exit(f"error: {flag} {path!r}: use_vllm cannot load a .gguf model: convert it first")
+            continue
+        damage = checkpoint_damage(path, needs=()) if any(n.endswith(".safetensors") for n in os.listdir(path)) else ""
+        if damage:
+            sys.exit(f"error: {flag}: {damage}")
     results = os.path.join(args.output_dir, "eval_results.json")  # evaluation.run_eval writes it
     if os.path.exists(results) and not args.overwrite_output_dir:
         sys.exit(

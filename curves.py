@@ -24,6 +24,8 @@ import os
 import sys
 import warnings
 
+from writes import WriteFailed, writing
+
 ACCURACY_COLOR = "tab:red"
 LENIENT_COLOR = "tab:purple"
 PLOTTED_LOGS = ("accuracy_losses.txt", "training_losses.txt", "metrics.jsonl")  # what plot_curves draws from
@@ -110,9 +112,12 @@ def smooth(values, window=None):
 
 
 def redraw_curves(output_dir):
-    """plot_curves during training: a failure (no matplotlib, a bad log line, ...) is a warning, not a crash."""
+    """plot_curves during training: a failure (no matplotlib, a bad log line, ...) is a warning, not a crash; a
+    failed write (a full disk, WriteFailed) ends the run in one line, as it would at the next log line."""
     try:
         plot_curves(output_dir)
+    except WriteFailed:
+        raise
     except Exception as error:  # noqa: BLE001
         warnings.warn(f"could not draw curves.png: {error!r}")
 
@@ -186,9 +191,14 @@ def plot_curves(output_dir):
     axes[-1, 0].set_xlabel("update step")
     fig.tight_layout()
     path = os.path.join(output_dir, "curves.png")
-    fig.savefig(path + ".tmp.png", dpi=100)
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
+    try:
+        with writing("the curves", path):
+            fig.savefig(path + ".tmp.png", dpi=100)
+            os.replace(path + ".tmp.png", path)
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + ".tmp.png")
     return path
 
 

@@ -26,14 +26,17 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from collections import Counter
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import LogitsProcessorList
 
+from checkpoints import non_finite_weights
 from curves import read_accuracies
 from reward_func import NUMBER_CHECKER, STRICT_FORMAT_REGEX, example_records, normalize_answer
+from writes import WriteFailed, writing
 
 RULES = ("strict", "lenient")  # the answer checker's extract and extract_lenient (reward_func.AnswerChecker)
 
@@ -189,6 +192,11 @@ def run_eval(args, model_paths, build_trainer, temperature_given):
     for path in model_paths:
         trainer = None  # one model in memory at a time
         trainer = build_trainer(dataclasses.replace(args, model_path=path), train=False)
+        bad = non_finite_weights(trainer.model)
+        if bad:  # its answers would be noise: an accuracy of 0.0000 that says nothing
+            sys.exit(
+                f"error: {path} has non-finite weights ({bad}): a diverged run's model? evaluate an earlier checkpoint"
+            )
         if greedy:
             use_greedy(trainer)
         metrics, problems, _ = evaluate_model(trainer, args.eval_samples, args.eval_batch_size)
@@ -206,10 +214,14 @@ def run_eval(args, model_paths, build_trainer, temperature_given):
     if len(results) == 2:
         before, after = results.values()
         output["difference"] = {name: after[name] - before[name] for name in before}
-    with open(os.path.join(args.output_dir, "eval_results.json"), "w", encoding="utf-8") as f:
-        json.dump(output, f, indent=2, ensure_ascii=False)
-    with open(os.path.join(args.output_dir, "eval_samples.jsonl"), "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    try:  # a full disk: one line
+        with writing("the results", os.path.join(args.output_dir, "eval_results.json")):
+            with open(os.path.join(args.output_dir, "eval_results.json"), "w", encoding="utf-8") as f:
+                json.dump(output, f, indent=2, ensure_ascii=False)
+            with open(os.path.join(args.output_dir, "eval_samples.jsonl"), "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    except WriteFailed as error:
+        sys.exit(f"error: {error}")
     print(f"{decoding} decoding, {args.eval_num_generations} response(s) per problem, test split of {args.data_path}:")
     print(comparison_table(results))
     print(f"wrote {args.output_dir}/eval_results.json and eval_samples.jsonl")

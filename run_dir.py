@@ -1,6 +1,7 @@
 """The output folder a run writes to: it holds the folder for the whole run (hold_output_dir, a lock file with
-its PID and host: lock_refusal, lock_holder, process_runs), and a fresh run claims it (claim_output_dir: an
-earlier run's logs and checkpoints cleared with --overwrite_output_dir=true, else refused; earlier_run says
+its PID, host and start time: lock_refusal, lock_holder, process_runs), and a fresh run claims it
+(claim_output_dir: an earlier run's logs and checkpoints cleared with --overwrite_output_dir=true, else refused;
+earlier_run says
 what is there). Used by cli.py (every run) and tiny_world.py (the demo's own folder)."""
 
 import contextlib
@@ -12,7 +13,7 @@ import sys
 
 from checkpoints import LOG_FILES, find_checkpoints
 
-LOCK_FILE = "train.lock"  # in output_dir while a run writes there: {"pid": ..., "host": ...}
+LOCK_FILE = "train.lock"  # in output_dir while a run writes there: {"pid": ..., "host": ..., "start": ...}
 # a finished run's model in output_dir (with LoRA: its adapters)
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 
@@ -47,41 +48,47 @@ def claim_output_dir(output_dir, may_clear, demo=False):
             os.remove(path)
 
 
-def lock_refusal(output_dir, take_over):
-    """Create output_dir/train.lock exclusively (O_CREAT | O_EXCL) with this process's PID and host.
+def lock_refusal(output_dir, take_over, take_over_dead=False):
+    """Create output_dir/train.lock exclusively (O_CREAT | O_EXCL) with this process's PID, host and start time.
     Returns '' when this run holds it, else the one line that refuses the run. A lock whose process no longer
-    runs (same host), or one of another host (whose process this one cannot see), is taken over with
-    --take_over_lock; a lock of a live process never is."""
+    runs on this host (its PID gone, or now another process's: another start time) is taken over with
+    --take_over_lock, or by take_over_dead (a --resume); one of another host (whose process this one cannot
+    see) only with --take_over_lock; a lock of a live process never is."""
     path, host = os.path.join(output_dir, LOCK_FILE), socket.gethostname()
     for attempt in range(2):  # the second: after taking over a stale lock
         try:
             descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
-            holder = lock_holder(path)
+            holder, dead = lock_holder(path), False
             if holder is None:
                 gone = "names no run (one killed while starting?)"
             elif holder["host"] != host:
                 gone = f"of PID {holder['pid']} on host {holder['host']}, another machine: if that run has ended"
-            elif not process_runs(holder["pid"]):
-                gone = f"of PID {holder['pid']} on host {host}, which no longer runs (killed?)"
+            elif not process_runs(holder["pid"], holder.get("start")):
+                gone, dead = f"of PID {holder['pid']} on host {host}, which no longer runs (killed?)", True
             else:
                 return (
                     f"error: output_dir {output_dir!r} is in use by another run (PID {holder['pid']} on host {host}): "
                     "wait for it to end, or choose another --output_dir"
                 )
-            if not take_over or attempt:
+            if not (take_over or (dead and take_over_dead)) or attempt:
                 return f"error: output_dir {output_dir!r} has the lock {gone}: take it over with --take_over_lock"
             print(f"taking over {path}, the lock {gone}")
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
             continue
         with os.fdopen(descriptor, "w", encoding="utf-8") as f:
-            json.dump({"pid": os.getpid(), "host": host}, f)
+            json.dump(this_process(), f)
         return ""
 
 
+def this_process():
+    """What the lock records of this process: PID, host and start time (process_start)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start(os.getpid())}
+
+
 def lock_holder(path):
-    """{"pid", "host"} of a lock file; None when it names none (empty, or a run killed mid-write)."""
+    """{"pid", "host"[, "start"]} of a lock file; None when it names none (empty, or a run killed mid-write)."""
     try:
         with open(path, encoding="utf-8") as f:
             holder = json.load(f)
@@ -90,27 +97,40 @@ def lock_holder(path):
         return None
 
 
-def process_runs(pid):
+def process_start(pid):
+    """When a process started, in clock ticks after boot (field 22 of /proc/PID/stat): with its PID, it names one
+    process, since a PID is reused only after its process ended. None where /proc is not (macOS)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])  # after the name, which may hold spaces
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_runs(pid, start=None):
+    """Whether the process that wrote a lock still runs: its PID exists and, where the lock recorded one, with
+    the same start time (else the PID belongs to another process now)."""
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
-        return True
-    return True
+        pass
+    return start is None or process_start(pid) in (None, start)
 
 
 @contextlib.contextmanager
-def hold_output_dir(output_dir, take_over=False, enabled=True):
+def hold_output_dir(output_dir, take_over=False, enabled=True, resuming=False):
     """This run holds output_dir (lock_refusal) until the block ends, however it ends: normally, by an error,
-    by Ctrl-C or sys.exit. Refused: exit in one line naming the holder. enabled=False holds nothing (torchrun's
-    ranks but rank 0, which holds the folder for the job)."""
+    by Ctrl-C, SIGTERM or sys.exit. Refused: exit in one line naming the holder. resuming: a lock whose process
+    is dead on this host is taken over with a notice. enabled=False holds nothing (torchrun's ranks but rank 0,
+    which holds the folder for the job)."""
     if not enabled:
         yield
         return
     try:
         os.makedirs(output_dir, exist_ok=True)
-        refusal = lock_refusal(output_dir, take_over)
+        refusal = lock_refusal(output_dir, take_over, take_over_dead=resuming)
     except OSError as error:
         sys.exit(f"error: cannot write to output_dir {output_dir!r} ({error.strerror}): choose another --output_dir")
     if refusal:
@@ -119,5 +139,5 @@ def hold_output_dir(output_dir, take_over=False, enabled=True):
     try:
         yield
     finally:
-        if lock_holder(path) == {"pid": os.getpid(), "host": socket.gethostname()}:  # still ours
+        if lock_holder(path) == this_process():  # still ours
             os.remove(path)

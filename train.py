@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 import warnings
@@ -39,6 +38,8 @@ from data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_system_promp
 from run_dir import claim_output_dir, hold_output_dir
 from checkpoints import deferred_interrupts, load_tokenizer, policy_model, reference_model, resume_run
 from checkpoints import save_final_model, save_run_checkpoint
+from writes import WriteFailed, append_log
+from guards import RunStopped, check_finite, check_rounds, check_weights, starvation_advice
 from reward_func import load_reward_models, reward_column, reward_func_name, reward_weight_tensor
 from user_rewards import SEED_REWARDS, answer_checker, check_rewards, reward_functions
 from curves import plot_command, redraw_curves
@@ -149,6 +150,7 @@ class DapoArguments:
     reward_timeout: float = arg(0.0, "seconds a reward call may take, then the run stops; 0 = no limit", at_least=0)
     filter_metric: FilterMetric = arg("reward", "skip a group: 'reward' all totals equal (seed), 'correctness' Eq. 11")
     max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit", at_least=0)
+    max_empty_rounds: int = arg(200, "stop after this many rounds in a row keep no group; 0 = never (seed)", at_least=0)
     overlong_buffer_len: int = arg(0, "L_cache of the soft overlong punishment (Eq. 13); 0 = off")
     overlong_penalty_factor: float = arg(1.0, "scale of that punishment (-factor at L_max)", at_least=0)
     overlong_filter: bool = arg(False, "mask out the loss of responses that hit max_generate_length without EOS")
@@ -353,16 +355,10 @@ class LoopState:
         self.rollout = None if self.rollout is None else [MicroBatch(**m) for m in self.rollout]
 
 
-class NoTrainingStep(RuntimeError):
+class NoTrainingStep(RunStopped):
     """The run ended without a single optimizer step."""
 
 
-def starvation_advice(args):
-    rule = f"filter_metric={args.filter_metric!r} skips every group whose responses all score the same"
-    return f"{rule}; check the reward functions, use an easier data set or a stronger model, or filter_metric='none'"
-
-
-EMPTY_ROUNDS_WARNING = 20  # sampling rounds in a row without a valid group before a warning
 NUM_LOGGED_EXAMPLES = 4  # evaluation problems written to samples.jsonl at each evaluation
 
 
@@ -427,7 +423,7 @@ class DapoTrainer:
 
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.state = LoopState(world_size=self.world.size)
-        self.resumed, self.stop_requested = False, False  # stop_requested: set by Ctrl-C, acted on at a step end
+        self.resumed, self.stop_requested = False, False  # stop_requested: by Ctrl-C or SIGTERM (deferred_interrupts)
         self.history = []  # one metrics dict per optimizer step (also written to metrics.jsonl)
         self.last_accuracy, self.eval_record = math.nan, {}  # the last evaluation: strict accuracy, every metric
         self.tracker = make_tracker("none", args.output_dir, None)  # report_to's, from train() on
@@ -565,6 +561,8 @@ class DapoTrainer:
         metrics |= dict(reward=rewards.flatten().tolist(), reward_std=reward_std.tolist())
         metrics["frac_reward_zero_std"] = (reward_std == 0).float().tolist()
         metrics["frac_groups_skipped"] = (~keep).float().tolist()
+        alike = [len(set(responses[g * G : (g + 1) * G])) == 1 for g in range(len(samples_list))]  # [B]
+        metrics["frac_identical_groups"] = [float(a) for a in alike]  # a collapsed policy: guards.check_rounds
         metrics["completions/length"] = lengths.tolist()
         metrics["completions/clipped_ratio"] = truncated.float().tolist()
         return kept, metrics
@@ -676,11 +674,14 @@ class DapoTrainer:
                         metrics[key] += values
                     state.buffer += kept
                     state.rounds += len(call)
-                    self.empty_rounds = 0 if kept else self.empty_rounds + len(call)
+                    kept_any = self.world.any(bool(kept))  # on any rank: collective
+                    self.empty_rounds = 0 if kept_any else self.empty_rounds + len(call)
                     held = self.world.gather(len(state.buffer))  # every rank's; [held] in one process
                     take = rollout_share(held, groups_per_rollout, self.world.rank)  # None: not enough groups yet
                     if take is None:
-                        self.check_rounds()
+                        check_rounds(self, metrics)  # guards.py: a run that keeps no group ends in one line
+                        if self.world.any(self.stop_requested):  # Ctrl-C or SIGTERM between sampling rounds
+                            self.stop()
                         continue
                     # 2. The rollout: micro-batches of batch_size groups, with pi_old's and pi_ref's log-probs.
                     start = time.perf_counter()
@@ -706,29 +707,31 @@ class DapoTrainer:
                 self.world.reduce_gradients(self.model)  # summed over ranks: the one-process gradient
                 max_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
                 metrics["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
+                finite = {"loss": sum(metrics["loss"]), "gradient norm": metrics["grad_norm"][-1]}
+                check_finite(args, state.update_steps + 1, finite)  # guards.py: divergence, before the step
                 metrics["learning_rate"].append(self.optimizer.param_groups[0]["lr"])
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad()
                 state.update_steps += 1
+                check_weights(self)  # before any checkpoint takes them
                 state.updates_done += 1
                 if state.updates_done == args.num_iterations * args.steps_per_generation:
                     state.rollout = None
 
                 # 4. Step end: evaluate, log, save, stop.
                 metrics = self.world.gather_step(metrics)  # every rank's numbers, in rank order
-                self.stop_requested = self.world.any(self.stop_requested)
+                stop = self.world.any(self.stop_requested)  # Ctrl-C or SIGTERM, on any rank
                 for loss in metrics["loss"]:  # the seed's file: a line per micro-step, numbered by the steps before
                     self.append_line("training_losses.txt", f"{state.update_steps - 1},{loss:.8f}")
                 if state.update_steps % args.eval_steps == 0:
                     self.evaluate_and_log()
                 self.log_step(metrics)
                 metrics = defaultdict(list)
-                if state.update_steps % args.save_steps == 0 or self.stop_requested:
-                    path = save_run_checkpoint(self)
-                if self.stop_requested:
-                    tqdm.write(f"stopped; continue with: {distributed.launcher(state.world_size)} --resume={path}")
-                    raise KeyboardInterrupt
+                if stop:
+                    self.stop()
+                if state.update_steps % args.save_steps == 0:
+                    save_run_checkpoint(self)
         if state.update_steps == start_steps:  # every group was skipped, to the end of the data
             raise NoTrainingStep(f"the data ran out before one optimizer step: {starvation_advice(args)}")
         if state.update_steps < self.global_steps:
@@ -753,26 +756,16 @@ class DapoTrainer:
             state.batches_done += len(call)
             yield call
 
-    def check_rounds(self):
-        """Dynamic sampling that keeps too few groups: warn after EMPTY_ROUNDS_WARNING rounds in a row that
-        kept none; give up after max_num_gen_batches rounds for one step. Both say the rule and the fix."""
-        args, state = self.args, self.state
-        if self.empty_rounds == EMPTY_ROUNDS_WARNING:
-            warnings.warn(f"the last {self.empty_rounds} sampling rounds kept no group: {starvation_advice(args)}")
-        if args.max_num_gen_batches and state.rounds >= args.max_num_gen_batches:
-            needed = args.batch_size * args.gradient_accumulation_steps * args.steps_per_generation
-            raise RuntimeError(
-                f"{state.rounds} sampling rounds gave only {len(state.buffer)} of {needed} valid "
-                f"groups: {starvation_advice(args)}, or raise max_num_gen_batches (0 = no limit)"
-            )
+    def stop(self):
+        """Ctrl-C or SIGTERM (deferred_interrupts): a checkpoint of where the loop is, the command that resumes."""
+        path = save_run_checkpoint(self)
+        tqdm.write(f"stopped; continue with: {distributed.launcher(self.state.world_size)} --resume={path}")
+        raise KeyboardInterrupt
 
     # ---- 4.7 logging ----
     def append_line(self, filename, line):
-        if not self.world.is_main:  # one writer
-            return
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        with open(os.path.join(self.args.output_dir, filename), "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        if self.world.is_main:  # one writer
+            append_log(self.args.output_dir, filename, line)
 
     def log_step(self, metrics):
         """This optimizer step's record: to metrics.jsonl, the tracker and the progress bar."""
@@ -828,8 +821,8 @@ class DapoTrainer:
 
     def save_model(self):
         state = self.world.full_model_state(self.model)  # --fsdp: gathered from every rank; else None
-        if self.world.is_main:  # LoRA: output_dir is the adapter folder (and merge_lora's merged/ model)
-            save_final_model(self.model, self.tokenizer, self.args, state)
+        if self.world.is_main:  # atomically: weights and tokenizer together (LoRA: the adapters, merge_lora's model)
+            save_final_model(self.model, self.tokenizer, self.args.output_dir, state, self.args.merge_lora)
         self.world.from_rank_0(None)  # the ranks leave together: none tears the process group down mid-write
 
 
@@ -857,9 +850,12 @@ def build_trainer(args, train=True):
 def main(argv=None):
     cli, given = parse_cli(DapoArguments, argv)
     if cli.plot:
-        return print(plot_command(cli.plot))
+        try:
+            return print(plot_command(cli.plot))
+        except WriteFailed as error:  # a full disk
+            sys.exit(f"error: {error}")
     try:  # the command line over a checkpoint's settings over the demo's, under the preset
-        overrides, checkpoint = run_settings(cli, given, DapoArguments.output_dir)
+        overrides, checkpoint = run_settings(cli, given, DapoArguments)
         args = build_args(cli.preset, overrides)
         reward_funcs = reward_functions(args)  # names and import paths resolved and checked before anything loads
         status = check_rewards(args, reward_funcs) if cli.check_rewards else None  # no model, no output_dir
@@ -870,7 +866,8 @@ def main(argv=None):
     if cli.eval_only:  # checked before anything loads
         models = check_eval_only(args, cli.compare)
     world = distributed.setup(args.device, args.num_threads)  # torchrun: rank 0 alone prepares the folders
-    with hold_output_dir(args.output_dir, cli.take_over_lock, world.is_main):  # rank 0 holds it for the run
+    hold = (args.output_dir, cli.take_over_lock, world.is_main, checkpoint is not None)  # a resume takes a dead lock
+    with hold_output_dir(*hold):  # rank 0 holds it for the run
         if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
             return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
         if world.is_main:  # a fresh demo first builds its world in a folder of its own
@@ -887,11 +884,11 @@ def main(argv=None):
             if checkpoint:
                 resume_run(trainer, checkpoint)
             trainer.train()
-        except (ValueError, NoTrainingStep) as error:  # a refused resume, a run that never stepped
+            trainer.save_model()
+        except (ValueError, RunStopped, WriteFailed) as error:  # a refused resume, a diverged run, a full disk
             sys.exit(f"error: {error}")
-        except KeyboardInterrupt:  # train() saved a checkpoint and said how to resume
+        except KeyboardInterrupt:  # train() saved a checkpoint, or the final save kept the earlier files: said so
             sys.exit(130)
-        trainer.save_model()
     if world.is_main:
         print(run_summary(args.output_dir, trainer.history if cli.demo else None, time.perf_counter() - cli.started))
     return trainer

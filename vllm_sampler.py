@@ -12,7 +12,9 @@ launch every process builds its own engine (one per rank, on its own device) and
 import hashlib
 import os
 import random
+import shutil
 import tempfile
+import weakref
 
 import numpy as np
 import safetensors.torch
@@ -194,6 +196,7 @@ class VllmSampler:
         # is written too; generation_config="vllm" and ignore_eos below keep it out of sampling.
         self.model_dir = tempfile.mkdtemp(prefix="vllm_sampler_")
         self.lora_rank = lora_rank  # > 0: vLLM holds the base and gets the adapters alone after each step
+        self.remove_model_dir = weakref.finalize(self, shutil.rmtree, self.model_dir, True)  # when freed, or at exit
         write_model_folder(model, self.model_dir, policy_weights(model, merge=not lora_rank))
         on_cuda = str(device).startswith("cuda")
         self.rng = random.Random(seed)  # per-request seeds: reproducible, independent of torch's RNG

