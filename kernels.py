@@ -4,9 +4,10 @@ docs/performance.md): each computes exactly what the plain version computes, wit
     sampling_processors / SampleKeptTokens   draw each token among the ids top-k / top-p keep (19% less
                                              sampling time than generate's multinomial over 151,936 ids)
     generate_sharing_prompts                 the G copies of a prompt share one forward pass over it
-    selective_log_softmax                    log-probs of the labels and the entropy, 32 positions at a time,
-                                             with a hand-written backward (1.18x faster, 2/3 of the peak memory
-                                             of a float32 log_softmax in get_action_log_probs)
+    output_layer_scores / log_probs_from_hidden   log-probs of the labels and the entropy from the last hidden
+                                             states, 512 positions at a time, with a backward that recomputes
+                                             each block's logits: no [N, T, V] logits or gradient (a flat
+                                             ~0.3 GiB where the seed's grow with T x V; benchmarks/log_probs.py)
     reuse_freed_memory                       on CPU, freed tensors' memory stays in the process for the next
                                              ones instead of going back to the kernel and faulting in again
 """

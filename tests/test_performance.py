@@ -1,9 +1,9 @@
 """train.py's fast paths give the seed's results (benchmarks/seed_paths.py holds the seed's paths).
 
 - padding to the longest:   same log-probs, loss and gradients as padding to max_prompt/generate_length
-- selective_log_softmax:    same log-probs, entropy, loss and gradients as the seed's full float32
-                            log-softmax (float32 and bf16 logits), at a fifth of its peak memory or less
-                            with Qwen2.5's 151,936-id vocabulary
+- log-probs from the hidden states: same log-probs, entropy, loss and gradients as the seed's full
+                            float32 log-softmax (float32 and bf16 matmuls), at a fifth of its peak memory or
+                            less with Qwen2.5's 151,936-id vocabulary
 - reuse_freed_memory:       a CPU trainer's decode steps reuse freed memory instead of faulting it in
 - one generate call per batch: one Samples per prompt with the same shapes and semantics as one
                             generate call per prompt
@@ -270,10 +270,9 @@ def test_log_probs_peak_memory_with_a_real_vocabulary(world, tmp_path):
     torch's CPU allocations are invisible to tracemalloc, hence the kernel's peak RSS (VmHWM, reset
     right before the call). The seed materialises [2, 384, V] float32 logits, a contiguous copy of
     their [:, :-1] slice inside log_softmax and the [2, 383, V] log-softmax: 3 x 0.43 GiB. The
-    efficient path keeps the logits of the 128 positions that score the response (0.15 GiB) and the
-    float32 temporaries of 32 positions at a time. Issue 22 asks for at least 5x below the seed (measured
-    here: 163-170 against 1,317-1,337 MiB). (2 rows rather than a real micro-batch's 4 keep the test fast;
-    both paths scale linearly in rows.)
+    efficient path computes the logits of the 256 response positions as one block (0.15 GiB) and their
+    float32 passes 32 positions at a time. Issue 22 asks for at least 5x below the seed. (2 rows rather
+    than a real micro-batch's 4 keep the test fast; both paths scale linearly in rows.)
     """
     model_dir, _ = world
     script = MEMORY_PROBE.format(root=ROOT)
