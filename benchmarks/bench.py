@@ -594,7 +594,7 @@ def estimate(opts):
             act = L * N * S * 4 * H + layer if label.startswith("+g") else L * layer  # checkpoints: layer inputs
             cache = 2 * n if b == 2 else 0  # autocast's bf16 weight copies
             if b == 2:  # kernels.LogProbsFromHidden: a block's logits (bf16, float32, kept float32), W's gradient
-                logits = 512 * V * (2 + 4 + 4) + V * H * (4 + 2 + 2)
+                logits = 512 * V * (2 + 4 + 4) + V * H * (2 + 4)  # (bf16 per block, summed in float32)
             else:  # [N, S, V] logits, log_softmax's output, its gradient and backward's temporary
                 logits = 4 * N * S * V * 4
             total = static + act + cache + logits

@@ -16,9 +16,9 @@ train.py runs it. Time: CPU seconds of the micro-step (process_time, all threads
 
 Peak memory is linear in the length at fixed rows, so each runner is measured at the --fit lengths, a line
 a + b * length fitted to them, and a length of the table is measured only when the line puts its peak under
---max_gb; the others are computed from the line (marked "~"). "trains on 24 GB" (--budget_gb): the memory before the micro-step
-(weights, gradients, the process), Adam's two moments (8 bytes per parameter) and the micro-step's peak under
-24 GiB; the longest such length is computed from the line.
+--max_gb; the others are computed from the line (marked "~"). "trains on 24 GB" (--budget_gb): the memory
+before the micro-step (weights, gradients, the process), Adam's two moments (8 bytes per parameter) and the
+micro-step's peak under 24 GiB; the longest such length is computed from the line.
 """
 
 import argparse
