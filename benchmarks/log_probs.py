@@ -60,7 +60,7 @@ def ours(model, tokenizer_dir, rows, checkpointing, seed_path, device):
     from transformers import AutoTokenizer
 
     from seed_paths import use_seed_paths
-    from train import DapoArguments, DapoTrainer
+    from train import DapoArguments, DapoTrainer, MicroBatch
 
     args = DapoArguments(device=device, output_dir=tempfile.mkdtemp(), num_generations=rows)  # CUDA: bf16 autocast
     args.gradient_checkpointing = checkpointing
@@ -72,9 +72,8 @@ def ours(model, tokenizer_dir, rows, checkpointing, seed_path, device):
         use_seed_paths(trainer, "full_log_softmax")
 
     def micro_step(ids, T):
-        advantages = torch.linspace(-1, 1, len(ids))  # [N]
-        inputs = dict(prompt_response_ids=ids, attention_mask=torch.ones_like(ids), advantages=advantages)
-        inputs |= dict(action_mask=torch.ones_like(ids[:, -T:]), old_action_log_probs=None, ref_action_log_probs=None)
+        advantages = torch.linspace(-1, 1, len(ids), device=ids.device)  # [N]
+        inputs = MicroBatch(ids, torch.ones_like(ids), action_mask=torch.ones_like(ids[:, -T:]), advantages=advantages)
         trainer.compute_loss(trainer.model, inputs).backward()
 
     return micro_step

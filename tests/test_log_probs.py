@@ -49,7 +49,7 @@ def scripted(trainer):
         rows = [token_ids(tok, texts[i % 4])[: 3 + i % 8] + [eos] * (i % 2) for i in range(len(input_ids))]
         width = max(map(len, rows))
         rows = [r + [tok.pad_token_id] * (width - len(r)) for r in rows]
-        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1), None  # no vLLM log-probs
 
     trainer.sample = sample
 
@@ -90,20 +90,18 @@ def test_log_probs_entropy_loss_and_every_gradient_equal_the_logits_path(world, 
     for trainer in (ours, theirs):
         scripted(trainer)
         torch.manual_seed(0)
-        groups = trainer.generate_experiences(make_batch(trainer, 2, varied=True))
-        groups.pop("metrics")
-        batches.append(trainer.make_micro_batches(groups)[0])  # pi_old and pi_ref by each path
+        kept, _ = trainer.generate_experiences(make_batch(trainer, 2, varied=True))
+        batches.append(trainer.make_micro_batches(kept)[0])  # pi_old and pi_ref by each path
     a, b = batches
-    for key in ("old_action_log_probs", "ref_action_log_probs"):
-        assert (a[key] - b[key]).abs().max() < 1e-5, key
-    noise = 0.3 * torch.randn(b["old_action_log_probs"].shape, generator=torch.Generator().manual_seed(2))
-    for inputs in (a, b):  # pi_old moved off pi: ratios away from 1, some clipped
-        inputs["old_action_log_probs"] = b["old_action_log_probs"] + noise
-    T = a["action_mask"].size(1)
+    assert (a.old_action_log_probs - b.old_action_log_probs).abs().max() < 1e-5
+    assert (a.ref_action_log_probs - b.ref_action_log_probs).abs().max() < 1e-5
+    noise = 0.3 * torch.randn(b.old_action_log_probs.shape, generator=torch.Generator().manual_seed(2))
+    a.old_action_log_probs = b.old_action_log_probs = b.old_action_log_probs + noise  # ratios off 1, some clipped
+    T = a.action_mask.size(1)
     (lp_a, ent_a), (lp_b, ent_b) = (t.get_action_log_probs(t.model, *t.model_inputs(a), True) for t in (ours, theirs))
     assert lp_a.shape == (8, T) and lp_a.requires_grad and not ent_a.requires_grad
     assert (lp_a - lp_b).abs().max() < 1e-5 and (ent_a - ent_b).abs().max() < 1e-5
-    assert ent_b[a["action_mask"].bool()].min() > 1.0  # a random model: entropies near log(120)
+    assert ent_b[a.action_mask.bool()].min() > 1.0  # a random model: entropies near log(120)
     (loss_a, grads_a), (loss_b, grads_b) = loss_grads(ours, a), loss_grads(theirs, b)
     assert abs(loss_a - loss_b) < 1e-5 and abs(loss_a) > 1e-3
     assert_same_grads(grads_a, grads_b)
