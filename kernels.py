@@ -4,13 +4,15 @@ docs/performance.md): each computes exactly what the plain version computes, wit
     sampling_processors / SampleKeptTokens   draw each token among the ids top-k / top-p keep (19% less
                                              sampling time than generate's multinomial over 151,936 ids)
     generate_sharing_prompts                 the G copies of a prompt share one forward pass over it
-    selective_log_softmax                    log-probs of the labels and the entropy, 32 positions at a time,
-                                             with a hand-written backward (1.18x faster, 2/3 of the peak memory
-                                             of a float32 log_softmax in get_action_log_probs)
+    output_layer_scores / log_probs_from_hidden   log-probs of the labels and the entropy from the last hidden
+                                             states, 512 positions at a time, with a backward that recomputes
+                                             each block's logits: no [N, T, V] logits or gradient (a flat
+                                             ~0.3 GiB where the seed's grow with T x V; benchmarks/log_probs.py)
     reuse_freed_memory                       on CPU, freed tensors' memory stays in the process for the next
                                              ones instead of going back to the kernel and faulting in again
 """
 
+import contextlib
 import ctypes
 import math
 
@@ -69,63 +71,119 @@ def generate_sharing_prompts(model, input_ids, attention_mask, **generate_kwargs
     return model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
 
 
-# Positions per block of the log-softmax: its float32 temporaries are [32, V] (19 MiB with Qwen's 151,936 ids)
-# whatever the response length or a packed row's length; on CPU 16-128 positions time within 25% (perf docs).
-POSITIONS_PER_CHUNK = 32
+# Positions per block (verl's chunk size): a block's logits are [512, V] (297 MiB in float32 with Qwen's 151,936
+# ids) whatever the response length or a packed row's length; a micro-batch of the seed's lengths (4 x 128
+# response tokens) is one block. The float32 passes over a block go 32 rows at a time, through a [32, V] buffer
+# (19 MiB) that stays in cache, not through [512, V] temporaries (a CPU micro-step 1.09x faster).
+POSITIONS_PER_BLOCK, ROWS_PER_PASS = 512, 32
 
 
-def position_chunks(N, T):
-    """(row, positions) blocks covering an [N, T] grid, POSITIONS_PER_CHUNK positions at a time."""
-    return [(i, slice(s, s + POSITIONS_PER_CHUNK)) for i in range(N) for s in range(0, T, POSITIONS_PER_CHUNK)]
+def block_logits(hidden, weight, temperature):
+    """Logits of a block of positions as the output layer makes them (hidden [C, H] @ weight [V, H]^T, in the
+    weight's dtype: bf16 under autocast), divided by the temperature in that dtype, then in float32: [C, V]."""
+    logits = hidden.to(weight.dtype) @ weight.T
+    return (logits if temperature == 1.0 else logits / temperature).float()
 
 
-class SelectiveLogSoftmax(torch.autograd.Function):
-    """Block by block: log softmax(x)[label] with its gradient, and the entropy of softmax(x) without one.
+def pieces(*tensors):
+    """The tensors' first ROWS_PER_PASS rows together, then the next ones, ..."""
+    return zip(*(tensor.split(ROWS_PER_PASS) for tensor in tensors))
 
-    Per block of [C, V] logits, one exp(x - max) buffer gives the logsumexp and, with one more multiply-add,
-    the entropy H = lse - E_p[x]. Backward writes d log p[label] / dx = onehot - softmax(x) straight into
-    the gradient. Nothing of size [N, T, V] is kept beyond the logits (log_softmax would keep its output).
+
+def softmax_stats(x, labels, buffer):
+    """x [c, V] float32 logits, labels [c] -> (log p[label], entropy H = lse - E_p[x], logsumexp), each [c]; one
+    exp(x - max) in buffer [>= c, V] gives all three."""
+    peak = x.amax(dim=-1, keepdim=True)  # [c, 1]
+    shifted = torch.sub(x, peak, out=buffer[: len(x)]).exp_()  # [c, V]
+    total = shifted.sum(dim=-1)  # [c]
+    lse = peak.squeeze(-1) + total.log()
+    return x.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse, lse - shifted.mul_(x).sum(dim=-1) / total, lse
+
+
+def log_softmax_grad_(x, lse, labels, g):
+    """x [c, V] float32 logits, overwritten with g * (onehot(labels) - softmax(x)): d (g * log p[label]) / dx."""
+    g = g.unsqueeze(-1)  # [c, 1]
+    return x.sub_(lse.unsqueeze(-1)).exp_().mul_(-g).scatter_add_(-1, labels.unsqueeze(-1), g)
+
+
+class LogProbsFromHidden(torch.autograd.Function):
+    """log softmax(h W^T / tau)[label] with its gradient, and the entropy without one, a block of positions at a time.
+
+    Forward: per block of POSITIONS_PER_BLOCK positions, the logits [C, V] give the label's log-prob, the entropy
+    and the logsumexp (softmax_stats); the logsumexp [K] and the last block's logits are kept. Backward, last
+    block first: each block's logits are computed again (but the kept ones), overwritten with their gradient
+    (log_softmax_grad_), whose products with W and h add to the gradients of the hidden states and of W (float32).
+    No [K, V] tensor exists in either pass; the cost is the output layer's matmul once more in backward for every
+    block but the last (none at the seed's lengths).
     """
 
     @staticmethod
-    def forward(ctx, logits, labels):
-        N, T, V = logits.shape
-        log_probs = torch.empty(N, T, dtype=torch.float32, device=logits.device)  # [N, T]
-        entropy, lse = torch.empty_like(log_probs), torch.empty_like(log_probs)  # [N, T]
-        buffer = torch.empty(min(T, POSITIONS_PER_CHUNK), V, dtype=torch.float32, device=logits.device)  # reused
-        for i, at in position_chunks(N, T):
-            x = logits[i, at].float()  # [C, V]; a copy only when the logits are bf16
-            out = buffer[: x.size(0)]
-            peak = x.amax(dim=-1, keepdim=True)  # [C, 1]
-            total = torch.sub(x, peak, out=out).exp_().sum(dim=-1)  # [C]
-            lse[i, at] = peak.squeeze(-1) + total.log()
-            entropy[i, at] = lse[i, at] - out.mul_(x).sum(dim=-1) / total
-            log_probs[i, at] = x.gather(-1, labels[i, at].unsqueeze(-1)).squeeze(-1) - lse[i, at]
-        ctx.save_for_backward(logits, labels, lse)
+    def forward(ctx, hidden, weight, labels, temperature, dtype):  # hidden [K, H], weight [V, H], labels [K]
+        w = weight.to(dtype)  # one cast for all blocks (autocast casts once per forward pass too)
+        log_probs = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)  # [K]
+        entropy, lse = torch.empty_like(log_probs), torch.empty_like(log_probs)  # [K]
+        buffer = torch.empty(ROWS_PER_PASS, w.size(0), device=hidden.device)  # [32, V], reused
+        x = None
+        for s in range(0, labels.numel(), POSITIONS_PER_BLOCK):
+            at = slice(s, s + POSITIONS_PER_BLOCK)
+            x = block_logits(hidden[at], w, temperature)  # [C, V]
+            stats = [softmax_stats(*rows, buffer) for rows in pieces(x, labels[at])]
+            log_probs[at], entropy[at], lse[at] = (torch.cat(values) for values in zip(*stats))  # [C] each
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.temperature, ctx.dtype, ctx.kept = temperature, dtype, x  # x: the last block's logits [C, V]
         ctx.mark_non_differentiable(entropy)
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        logits, labels, lse = ctx.saved_tensors
-        N, T, V = logits.shape
-        grad = torch.empty_like(logits)  # [N, T, V]
-        as_float32 = logits.dtype == torch.float32
-        buffer = None if as_float32 else torch.empty(min(T, POSITIONS_PER_CHUNK), V, device=logits.device)
-        for i, at in position_chunks(N, T):
-            g = grad_log_probs[i, at].unsqueeze(-1)  # [C, 1]
-            out = grad[i, at] if as_float32 else buffer[: g.size(0)]  # [C, V]
-            torch.sub(logits[i, at].float(), lse[i, at].unsqueeze(-1), out=out).exp_().mul_(-g)  # -g * softmax(x)
-            out.scatter_add_(-1, labels[i, at].unsqueeze(-1), g)  # + g at the label
-            if not as_float32:
-                grad[i, at].copy_(out)
-        return grad, None
+        hidden, weight, labels, lse = ctx.saved_tensors
+        w, tau = weight.to(ctx.dtype), ctx.temperature
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None  # [K, H]
+        grad_weight = None  # [V, H], summed in float32
+        for s in reversed(range(0, labels.numel(), POSITIONS_PER_BLOCK)):
+            at = slice(s, s + POSITIONS_PER_BLOCK)
+            x = block_logits(hidden[at], w, tau) if ctx.kept is None else ctx.kept  # [C, V], as in forward
+            ctx.kept = None
+            for rows in pieces(x, lse[at], labels[at], grad_log_probs[at]):
+                log_softmax_grad_(*rows)  # x: the gradient of the block's logits
+            grad_z = x.to(ctx.dtype)  # [C, V], in the logits' dtype
+            grad_z = grad_z if tau == 1.0 else grad_z / tau  # through logits / temperature
+            if grad_hidden is not None:
+                grad_hidden[at] = grad_z @ w
+            if ctx.needs_input_grad[1]:
+                product = grad_z.T @ hidden[at].to(ctx.dtype)  # [V, H]
+                grad_weight = product.float() if grad_weight is None else grad_weight.add_(product)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
 
 
-def selective_log_softmax(logits, labels):
-    """logits [N, T, V] (any float dtype), labels [N, T] -> (log_probs [N, T], entropy [N, T]), both float32;
-    only log_probs carries a gradient. Peak extra memory is one block's [POSITIONS_PER_CHUNK, V]."""
-    return SelectiveLogSoftmax.apply(logits, labels)
+def log_probs_from_hidden(hidden, weight, labels, temperature=1.0):
+    """hidden [N, T, H] (the last layer's, normed), weight [V, H] (the output layer's), labels [N, T] ->
+    (log_probs [N, T], entropy [N, T]) of softmax(hidden @ weight^T / temperature), both float32; only the
+    log-probs carry a gradient (to hidden and weight). The matmuls run in the autocast dtype when autocast is on
+    (as the output layer would), else in the weight's. Extra memory: a few [POSITIONS_PER_BLOCK, V] blocks and
+    W's gradient, whatever N and T."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    log_probs, entropy = LogProbsFromHidden.apply(hidden.flatten(0, -2), weight, labels.flatten(), temperature, dtype)
+    return log_probs.view_as(labels), entropy.view_as(labels)
+
+
+@contextlib.contextmanager
+def output_layer_scores(model, labels, temperature=1.0):
+    """Inside the block, model(...).logits is (log-probs, entropy) of labels [N, T], stacked [N, T, 2], not the
+    [N, T, V] logits: the output layer (model.get_output_embeddings(), tied or not, under PEFT too) runs
+    log_probs_from_hidden on its input. It runs inside the model's own forward, so that FSDP2 (which gathers the
+    root module's parameters, the output layer's among them, around that forward and again before its backward)
+    hands it the whole weight, and its gradient reaches the weight FSDP reduce-scatters."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        raise ValueError(f"log-probs from hidden states need a bias-free nn.Linear output layer, not {head!r}")
+    head.forward = lambda hidden: torch.stack(log_probs_from_hidden(hidden, head.weight, labels, temperature), -1)
+    try:
+        yield
+    finally:
+        del head.forward  # the class's forward again
 
 
 def reuse_freed_memory():

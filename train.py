@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from kernels import generate_sharing_prompts, reuse_freed_memory, sampling_processors, selective_log_softmax
+from kernels import generate_sharing_prompts, output_layer_scores, reuse_freed_memory, sampling_processors
 from packing import join_batches, micro_batch_groups, pack_sequences, pad_and_cat, pad_and_cat_groups
 from packing import numbered, padded_sequences, trim_group, unpack
 from cli import check_arguments, check_before_loading, check_eval_only, parse_cli, run_settings
@@ -619,11 +619,10 @@ class DapoTrainer:
         padding_free: the real tokens alone, in one row (packing.pack_sequences); 0 where there is no token."""
         layout = pack_sequences if self.args.padding_free else padded_sequences  # where: None when padded
         input_ids, inputs, labels, where = layout(input_ids, attention_mask, num_actions)
-        with self.autocast():
-            logits = model(input_ids, **inputs).logits  # [N, T, V] ([1, K, V] packed)
-        if self.args.score_with_temperature:  # the distribution that sampled (TRL, verl)
-            logits = logits / self.args.temperature
-        log_probs, entropy = selective_log_softmax(logits, labels)  # [N, T] each ([1, K] packed)
+        temperature = self.args.temperature if self.args.score_with_temperature else 1.0  # the sampling policy's
+        with self.autocast(), output_layer_scores(model, labels, temperature):  # no [N, T, V] logits, fwd or bwd
+            scores = model(input_ids, **inputs).logits  # [N, T, 2] ([1, K, 2] packed)
+        log_probs, entropy = scores[..., 0], scores[..., 1].detach()  # [N, T] each ([1, K] packed)
         if where is not None:
             log_probs, entropy = unpack(log_probs, where), unpack(entropy, where)
         return (log_probs, entropy) if with_entropy else log_probs

@@ -3,7 +3,7 @@
 
     python benchmarks/bench.py                         # --shape small on CPU (a few minutes on 2 cores)
     python benchmarks/bench.py --shape qwen2.5-1.5b    # Qwen2.5-1.5B's real shape, on a GPU
-    python benchmarks/bench.py --estimate              # peak GPU memory of the 1.5B default, from shapes
+    python benchmarks/bench.py --estimate              # peak GPU memory of the 1.5B default, by length
     python benchmarks/bench.py --vllm                  # the default and use_vllm side by side (needs vllm)
     python benchmarks/bench.py --configs "default (train.py),TRL GRPOTrainer (dapo)"   # against TRL (needs trl)
 
@@ -569,38 +569,41 @@ def parameter_count(shape):
 
 
 def estimate(opts):
-    """Print the estimated peak GPU memory of train.py's default and of the seed's paths."""
+    """Print the estimated peak GPU memory of train.py's default (+gradient_checkpointing) and of the seed's paths
+    at each of --estimate_lengths response tokens, with and without vLLM's share of a 48 GB card. --preset paper
+    needs the same memory as the default at the same lengths (its changes are in the maths and the schedule)."""
     s = {**SHAPES[opts.estimate_shape], **COMMON_SHAPE}
     H, I, L, V = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
     kv = s["num_key_value_heads"] * (H // s["num_attention_heads"])
-    n, GB = parameter_count(opts.estimate_shape), 2**30
-    N, P, T = (
-        opts.batch_size * opts.num_generations,
-        opts.max_prompt_length,
-        opts.max_generate_length,
-    )  # both at their maximum
-    S = P + T
-    static = 16 * n  # float32 weights, gradients, Adam m and v
+    n, GB, card = parameter_count(opts.estimate_shape), 2**30, 48e9
+    N, P = opts.batch_size * opts.num_generations, opts.max_prompt_length  # rows of a micro-batch, longest prompt
+    static, vllm = 16 * n, opts.vllm_gpu_memory_utilization * card  # float32 weights, gradients, Adam m and v
     print(f"ESTIMATE (from shapes, not measured) of peak GPU memory, {opts.estimate_shape}: {n / 1e9:.3f} B parameters")
+    print(f"  micro-batch: {N} rows x (P={P} + T) tokens; {static / GB:.2f} GiB static (float32 weights, gradients,")
     print(
-        f"  micro-batch: {N} rows x (P={P} + T={T}) tokens (the worst case); {static / GB:.2f} GiB static "
-        "(float32 weights, gradients, Adam m+v)"
+        f"  Adam m+v); vLLM's share {opts.vllm_gpu_memory_utilization} x 48 GB = {vllm / GB:.1f} GiB; fits: under 48 GB"
     )
-    print(f"  {'configuration':<22}{'activations':>13}{'bf16 weights':>14}{'logits+lsm':>12}{'peak total':>12}")
-    for label, b in ((DEFAULT, 2), (SEED, 4)):  # bytes per activation: bf16 autocast, or the seed's float32
-        # Kept per token and layer (SDPA: no [S, S] scores): 2 RMSNorms' float32 input and output, q/k/v
-        # outputs and rotated q/k, attention output, o_proj and MLP inputs, MLP's gate, up, silu, product.
-        act = L * N * S * (16 * H + b * ((H + 2 * kv) + (H + kv) + 3 * H + 4 * I))
-        cache = 2 * n if b == 2 else 0  # autocast's bf16 weight copies
-        if label == DEFAULT:  # T positions' logits kept by SelectiveLogSoftmax, their gradient, one row's temporaries
-            logits = 2 * N * T * V * b + 2 * T * V * 4
-        else:  # [N, S, V] logits, log_softmax's output, its gradient and backward's temporary
-            logits = 4 * N * S * V * 4
-        total = static + act + cache + logits
-        print(f"  {label:<22}{act / GB:>10.2f} GiB{cache / GB:>10.2f} GiB{logits / GB:>8.2f} GiB{total / GB:>8.2f} GiB")
+    header = f"{'T':>6}  {'configuration':<26}{'activations':>12}{'bf16 weights':>13}{'log-probs':>10}{'total':>8}"
+    print(header + f"{'+ vLLM':>8}  fits (alone / with vLLM)")
+    for T in [int(t) for t in opts.estimate_lengths.split(",")]:
+        S = P + T
+        for label, b in ((DEFAULT, 2), ("+gradient_checkpointing", 2), (SEED, 4)):  # bytes per bf16 / float32 value
+            # Kept per token and layer (SDPA: no [S, S] scores): 2 RMSNorms' float32 input and output, q/k/v
+            # outputs and rotated q/k, attention output, o_proj and MLP inputs, MLP's gate, up, silu, product.
+            layer = N * S * (16 * H + b * ((H + 2 * kv) + (H + kv) + 3 * H + 4 * I))
+            act = L * N * S * 4 * H + layer if label.startswith("+g") else L * layer  # checkpoints: layer inputs
+            cache = 2 * n if b == 2 else 0  # autocast's bf16 weight copies
+            if b == 2:  # kernels.LogProbsFromHidden: a block's logits (bf16, float32, kept float32), W's gradient
+                logits = 512 * V * (2 + 4 + 4) + V * H * (2 + 4)  # (bf16 per block, summed in float32)
+            else:  # [N, S, V] logits, log_softmax's output, its gradient and backward's temporary
+                logits = 4 * N * S * V * 4
+            total = static + act + cache + logits
+            fits = f"{'yes' if total < card else 'no'} / {'yes' if total + vllm < card else 'no'}"
+            cells = f"{act / GB:>8.1f} GiB{cache / GB:>9.1f} GiB{logits / GB:>6.1f} GiB{total / GB:>8.1f}"
+            print(f"{T:>6}  {label:<26}{cells}{(total + vllm) / GB:>8.1f}  {fits}")
     print(
-        f"  (sampling's KV cache, ~{2 * L * 2 * kv * S * N / GB * 1024:.0f} MiB in bf16, is freed before training; "
-        "allocator fragmentation and the CUDA context, ~1-3 GiB, are not included)"
+        "  (sampling's KV cache is freed before training; allocator fragmentation and the CUDA context, ~1-3 GiB, "
+        "are not included)"
     )
 
 
@@ -689,6 +692,7 @@ def main(argv=None):
     parser.add_argument("--no_loss_check", action="store_true", help="skip the same-loss-on-identical-inputs check")
     parser.add_argument("--estimate", action="store_true", help="only print the estimated peak GPU memory")
     parser.add_argument("--estimate_shape", choices=sorted(SHAPES), default="qwen2.5-1.5b", help="shape for --estimate")
+    parser.add_argument("--estimate_lengths", default="128,4096,8192,16384", help="response lengths for --estimate")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--num_generations", type=int, default=4)
     parser.add_argument("--batch_size", type=int, default=1)

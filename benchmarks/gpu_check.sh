@@ -3,9 +3,10 @@
 # (bench.py's qwen2.5-1.5b, the real 151,936-id vocabulary), a few optimizer steps with use_vllm off and
 # on, side by side; prints s/step, sampled tokens/s and peak memory against a 48 GB card; then one vLLM call of
 # 64 prompts x G 16 and the sampler/learner gap's percentiles; then padded against padding_free training
-# passes on responses of real lengths; on a machine with 2 GPUs or more, the demo under torchrun with an engine per
-# GPU (DDP with sleep mode, then FSDP). ~9 minutes on one H100/H200-class GPU (vLLM's start-ups and torch.compile
-# included); the parts stop themselves at 9.5, 5, 4 and 2 x 4 minutes.
+# passes on responses of real lengths; then one micro-step at 4k, 8k and 16k response tokens (log_probs.py), the
+# planning figure's memory; on a machine with 2 GPUs or more, the demo under torchrun with an engine per GPU (DDP
+# with sleep mode, then FSDP). ~14 minutes on one H100/H200-class GPU (vLLM's start-ups and torch.compile
+# included); the parts stop themselves at 9.5, 5, 4, 5 and 2 x 4 minutes.
 #
 #   bash benchmarks/gpu_check.sh            # on a CUDA machine
 #   bash benchmarks/gpu_check.sh --cpu      # no GPU: the same plumbing, small shape, 16 tokens (~3 min on 2 cores)
@@ -187,3 +188,16 @@ print("  peak alloc: torch.cuda.max_memory_allocated (vLLM's weights and KV cach
       "max_memory_reserved + what the process holds outside torch's allocator (CUDA context, cuBLAS, NCCL)")
 sys.exit(0 if ok else 1)
 EOF
+
+# Long responses (docs/performance.md, "Long responses"): one micro-step of the 1.5B shape (28 layers) at 4k, 8k
+# and 16k response tokens, 4 rows x (256 + T), bf16 autocast, default and +gradient_checkpointing; peak memory over
+# weights + gradients, measured up to 40 GiB and computed from the line beyond; the longest length that fits a
+# BUDGET_GB card with Adam's moments (without vLLM's share: subtract VLLM_SHARE x BUDGET_GB from it yourself).
+echo "gpu_check: long responses, one micro-step of the 1.5B shape"
+if [[ $mode == cuda ]]; then
+    long=(--device cuda --layers 28 --rows 4 --prompt 256 --fit 1024,2048 --lengths 4096,8192,16384 --max_gb 40)
+else
+    long=(--device cpu --layers 1 --rows 1 --prompt 16 --fit 16,32 --lengths 64 --max_gb 4)
+fi
+timeout 300 "$PYTHON" benchmarks/log_probs.py --runners ours,ours+gc --budget_gb "$BUDGET_GB" "${long[@]}" 2>&1 \
+    | grep -v "it/s\]\|ba/s\]"

@@ -1,144 +1,224 @@
 #!/usr/bin/env python
-"""train.py's hand-written SelectiveLogSoftmax against two plain log-prob paths, side by side.
+"""Peak memory and time of one micro-step (forward + backward of the loss) by response length, side by side.
 
-    python benchmarks/log_probs.py [--rounds 3] [--rows 4] [--prompt 120] [--response 128] [--dtype float32]
+    python benchmarks/log_probs.py [--lengths 512,2048,8192,16384] [--runners seed,trl,ours,ours+gc]
+                                   [--fit 128,256] [--max_gb 10] [--rows 2] [--prompt 64] [--threads 2]
 
-On bench.py's "small" random Qwen2 (real vocabulary, 151,936 ids): forward + backward of
-DapoTrainer.get_action_log_probs (with the entropy) for rows x (prompt + response) tokens, with each
-candidate in place of train.selective_log_softmax, in rounds A B C A B C ... in one process. Also
-the candidate alone on fixed [rows, response, V] logits. Peak memory: the kernel's peak RSS (VmHWM,
-reset before each call) over the RSS before it. --dtype bfloat16 casts the logits first, as bf16
-autocast makes them on CUDA (CPU times are then not representative, memory is).
+Runners: "seed" = the seed's log-probs (seed_paths.full_log_softmax: logits at every position and a float32
+log-softmax over them); "trl" = TRL 1.16's GRPOTrainer(loss_type="dapo", its default settings).compute_loss;
+"ours" = DapoTrainer.compute_loss (log-probs from the hidden states); "ours+gc" = the same with
+gradient_checkpointing. Each micro-step runs in a fresh process on a random 2-layer Qwen2 with Qwen2.5-1.5B's
+hidden size (1,536, intermediate 8,960) and Qwen2.5's 151,936 ids, tied embeddings, float32 on the CPU:
+rows x (prompt + length) tokens, all of them real, after a 16-token micro-step that allocates the gradients.
+Peak: the kernel's peak RSS (VmHWM, reset before the micro-step) over the RSS before it (weights and gradients
+are in the RSS before); with --device cuda, max_memory_allocated over memory_allocated, under bf16 autocast as
+train.py runs it. Time: CPU seconds of the micro-step (process_time, all threads; CUDA: wall seconds).
+
+Peak memory is linear in the length at fixed rows, so each runner is measured at the --fit lengths, a line
+a + b * length fitted to them, and a length of the table is measured only when the line puts its peak under
+--max_gb; the others are computed from the line (marked "~"). "trains on 24 GB" (--budget_gb): the memory
+before the micro-step (weights, gradients, the process), Adam's two moments (8 bytes per parameter) and the
+micro-step's peak under 24 GiB; the longest such length is computed from the line.
 """
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 
-import torch
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import build_model, load_tokenizer, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
-
-import train  # noqa: E402
-
-HAND_WRITTEN = train.selective_log_softmax
-
-
-def full_log_softmax(logits, labels):
-    """(a) One float32 log-softmax over [N, T, V], then gather; the entropy from it, without a gradient."""
-    all_log_probs = logits.float().log_softmax(dim=-1)
-    log_probs = all_log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(all_log_probs.exp() * all_log_probs).sum(dim=-1)
-    return log_probs, entropy
+RUNNERS = ("seed", "trl", "ours", "ours+gc")
+SHAPE = dict(num_hidden_layers=2, hidden_size=1536, intermediate_size=8960, num_attention_heads=12)
+SHAPE |= dict(num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768)
+GIB = 2**30
 
 
-def row_logsumexp(logits, labels):
-    """(b) TRL's selective_log_softmax: gather - per-row logsumexp; the entropy per row, without a gradient."""
-    lse = torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])  # [N, T]
-    log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() - lse
-    with torch.no_grad():
-        entropy = torch.stack([l - (r.float() - l.unsqueeze(-1)).exp().mul_(r).sum(-1) for r, l in zip(logits, lse)])
-    return log_probs, entropy
+def peak_rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-CANDIDATES = {
-    "hand-written (train.py)": HAND_WRITTEN,
-    "(a) float log_softmax + gather": full_log_softmax,
-    "(b) per-row logsumexp (TRL)": row_logsumexp,
-}
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure(fn):
-    """Seconds and peak RSS above the level before, of fn()."""
-    base, exact = rss_bytes(), reset_peak_rss()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start, peak_rss_bytes() - base, exact
+def reset_peak_rss():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := current RSS (Linux >= 4.0)
+
+
+def ours(model, tokenizer_dir, rows, checkpointing, seed_path, device):
+    """micro_step(ids [N, P+T], T): DapoTrainer.compute_loss(...).backward() on one micro-batch."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from seed_paths import use_seed_paths
+    from train import DapoArguments, DapoTrainer, MicroBatch
+
+    args = DapoArguments(device=device, output_dir=tempfile.mkdtemp(), num_generations=rows)  # CUDA: bf16 autocast
+    args.gradient_checkpointing = checkpointing
+    zero = [lambda prompts, responses, answers: [0.0] * len(responses)]
+    trainer = DapoTrainer(
+        model=model, reward_funcs=zero, args=args, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir)
+    )
+    if seed_path:
+        use_seed_paths(trainer, "full_log_softmax")
+
+    def micro_step(ids, T):
+        advantages = torch.linspace(-1, 1, len(ids), device=ids.device)  # [N]
+        inputs = MicroBatch(ids, torch.ones_like(ids), action_mask=torch.ones_like(ids[:, -T:]), advantages=advantages)
+        trainer.compute_loss(trainer.model, inputs).backward()
+
+    return micro_step
+
+
+def trl(model, tokenizer_dir, rows, device):
+    """micro_step(ids, T): TRL's GRPOTrainer(loss_type="dapo").compute_loss(...).backward(), default settings."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    cuda = device.startswith("cuda")
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(), use_cpu=not cuda, bf16=cuda, loss_type="dapo", num_generations=rows
+    )
+    config.per_device_train_batch_size, config.report_to = rows, []
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": ["1 + 1 ="] * rows}),
+        processing_class=AutoTokenizer.from_pretrained(tokenizer_dir),
+    )
+
+    trainer.current_gradient_accumulation_steps = config.gradient_accumulation_steps  # set by TRL's training loop
+
+    def micro_step(ids, T):
+        prompt, completion = ids[:, :-T], ids[:, -T:]
+        inputs = dict(prompt_ids=prompt, prompt_mask=torch.ones_like(prompt), completion_ids=completion)
+        inputs |= dict(completion_mask=torch.ones_like(completion), advantages=torch.linspace(-1, 1, len(ids)))
+        inputs["num_items_in_batch"] = torch.tensor(float(completion.numel()))
+        trainer.compute_loss(trainer.model, inputs).backward()
+
+    return micro_step
+
+
+def worker(runner, length, opts):
+    """One micro-step of `runner` at `length` in this process: prints a JSON line."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.set_num_threads(opts.threads)
+    torch.manual_seed(0)
+    cuda = opts.device.startswith("cuda")
+    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE | dict(num_hidden_layers=opts.layers))).to(opts.device)
+    if runner == "trl":
+        micro_step = trl(model, opts.tokenizer_dir, opts.rows, opts.device)
+    else:
+        micro_step = ours(model, opts.tokenizer_dir, opts.rows, runner == "ours+gc", runner == "seed", opts.device)
+    model.train()
+    ids = torch.randint(0, SHAPE["vocab_size"], (opts.rows, opts.prompt + length), device=opts.device)
+    micro_step(ids[:, -24:], 16)  # gradients allocated, lazy initialisation done
+    for p in model.parameters():
+        p.grad.zero_()
+    if cuda:
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = rss()
+        reset_peak_rss()
+    cpu, wall = time.process_time(), time.perf_counter()
+    micro_step(ids, length)
+    if cuda:
+        torch.cuda.synchronize()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss()
+    params = sum(p.numel() for p in model.parameters())
+    seconds = wall if cuda else cpu  # a shared CPU: CPU seconds are steadier than wall seconds
+    print(json.dumps(dict(peak=peak - base, base=base, cpu=cpu, wall=wall, seconds=seconds, params=params)))
+
+
+def measure(runner, length, opts):
+    command = [sys.executable, __file__, "--worker", runner, "--lengths", str(length), "--rows", str(opts.rows)]
+    command += ["--prompt", str(opts.prompt), "--threads", str(opts.threads), "--tokenizer_dir", opts.tokenizer_dir]
+    command += ["--device", opts.device, "--layers", str(opts.layers)]
+    out = subprocess.run(command, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{runner} at {length}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def fit(points):
+    """Least-squares line (a, b) through [(length, value), ...]."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - b * mx, b
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", type=int, default=4)
-    parser.add_argument("--prompt", type=int, default=120)
-    parser.add_argument("--response", type=int, default=128)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--lengths", default="512,2048,8192,16384", help="response lengths of the table")
+    parser.add_argument("--runners", default=",".join(RUNNERS), help=f"some of {','.join(RUNNERS)}")
+    parser.add_argument("--fit", default="128,256", help="lengths always measured, for each runner's line")
+    parser.add_argument("--max_gb", type=float, default=10.0, help="measure a length only under this peak (GiB)")
+    parser.add_argument("--rows", type=int, default=2, help="responses in the micro-batch")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per row")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--device", default="cpu", help="cuda: peak is max_memory_allocated, bf16 autocast (as train.py)"
+    )
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (Qwen2.5-1.5B: 28)")
+    parser.add_argument("--budget_gb", type=float, default=24.0, help="memory the longest trainable length must fit")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--tokenizer_dir", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    dtype = getattr(torch, opts.dtype)
-
+    lengths, fit_lengths = [int(x) for x in opts.lengths.split(",")], [int(x) for x in opts.fit.split(",")]
+    runners = opts.runners.split(",")
+    if opts.worker:
+        return worker(opts.worker, lengths[0], opts)
     from tiny_world import build_tiny_world
+    from train import SYSTEM_PROMPT
 
-    with tempfile.TemporaryDirectory() as root:
-        model_dir, _ = build_tiny_world(root, train.SYSTEM_PROMPT, num_train=4, num_test=1, seed=0)
-        tokenizer = load_tokenizer(model_dir)
-        model = build_model("small", tokenizer, "cpu", 0)
-        args = train.DapoArguments(device="cpu", output_dir=os.path.join(root, "out"))
-        trainer = train.DapoTrainer(
-            model=model,
-            reward_funcs=[lambda prompts, responses, answers: [0.0] * len(responses)],
-            args=args,
-            tokenizer=tokenizer,
-        )
-    N, T, V = opts.rows, opts.response, model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, V, (N, opts.prompt + T), generator=g)
-    mask = torch.ones_like(ids)
-    mask[:, : opts.prompt // 4] = 0  # some left padding
-    weights = torch.randn(N, T, generator=g)
-    logits = torch.randn(N, T, V, generator=g).to(dtype)
-    labels = ids[:, -T:]
-
-    def whole(fn):  # get_action_log_probs forward + backward, with fn as its log-softmax
-        def run():
-            train.selective_log_softmax = lambda x, y: fn(x.to(dtype), y)
-            log_probs, entropy = trainer.get_action_log_probs(model, ids, mask, T, with_entropy=True)
-            (log_probs * weights).sum().backward()
-            model.zero_grad(set_to_none=True)
-            return log_probs.detach(), entropy
-
-        return run
-
-    def alone(fn):  # the log-softmax by itself on fixed logits
-        def run():
-            x = logits.detach().requires_grad_()
-            log_probs, entropy = fn(x, labels)
-            (log_probs * weights).sum().backward()
-            return log_probs.detach(), entropy, x.grad
-
-        return run
-
-    # Same values first.
-    ref = alone(HAND_WRITTEN)()
-    for name, fn in CANDIDATES.items():
-        out = alone(fn)()
-        diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(out, ref)]
-        print(f"{name:<32} max |d log p| {diffs[0]:.1e}  |d entropy| {diffs[1]:.1e}  |d grad| {diffs[2]:.1e}")
-    for kind, wrap in (("get_action_log_probs fwd+bwd", whole), ("log-softmax alone fwd+bwd", alone)):
-        wrap(HAND_WRITTEN)()  # warm-up
-        times, peaks = {n: [] for n in CANDIDATES}, {n: [] for n in CANDIDATES}
-        for r in range(opts.rounds):  # A B C, C B A, ...
-            for name in list(CANDIDATES)[:: 1 if r % 2 == 0 else -1]:
-                seconds, peak, exact = measure(wrap(CANDIDATES[name]))
-                times[name].append(seconds)
-                peaks[name].append(peak)
-        print(
-            f"\n{kind}: {N} rows x ({opts.prompt} + {T}) tokens, V={V}, {opts.dtype} logits, {torch.get_num_threads()} threads, "
-            f"{opts.rounds} rounds (VmHWM reset: {exact})"
-        )
-        base = min(times["hand-written (train.py)"])
-        for name in CANDIDATES:
-            print(
-                f"  {name:<32} best {min(times[name]):6.3f} s  median {sorted(times[name])[len(times[name]) // 2]:6.3f} s"
-                f"  x hand {min(times[name]) / base:5.2f}  peak +{max(peaks[name]) / 2**20:6.0f} MiB"
-            )
-    train.selective_log_softmax = HAND_WRITTEN
+    root = tempfile.mkdtemp()
+    opts.tokenizer_dir = build_tiny_world(root, SYSTEM_PROMPT, num_train=4, num_test=1, seed=0)[0]
+    results = {}
+    for runner in runners:
+        points = {n: measure(runner, n, opts) for n in fit_lengths}
+        a, b = fit([(n, r["peak"]) for n, r in points.items()])
+        for n in lengths:
+            if n not in points and a + b * n <= opts.max_gb * GIB:
+                points[n] = measure(runner, n, opts)
+        a, b = fit([(n, r["peak"]) for n, r in points.items()])  # every measured length
+        tc, tb = fit([(n, r["seconds"]) for n, r in points.items()])
+        static = 8 * points[fit_lengths[0]]["params"] + min(r["base"] for r in points.values())  # + Adam m, v
+        longest = (opts.budget_gb * GIB - static - a) / b
+        results[runner] = dict(points=points, line=(a, b), time_line=(tc, tb), longest=longest)
+        line = f"peak = {a / GIB:.3f} GiB + {b / 2**20:.3f} MiB x length (measured at {sorted(points)})"
+        print(f"{runner}: {line}; s = {tc:.2f} + {tb * 1000:.2f} ms x length; budget: ~{longest:,.0f}", flush=True)
+    setting = f"{opts.rows} rows x ({opts.prompt} + length) tokens, {opts.threads} threads"
+    print(f"\nOne micro-step, {setting}. Peak over weights+gradients (GiB) / seconds; ~ = computed, not measured")
+    print(f"{'length':>8}" + "".join(f"{r:>22}" for r in runners))
+    for n in lengths:
+        cells = []
+        for runner in runners:
+            res = results[runner]
+            if n in res["points"]:
+                cells.append(f"{res['points'][n]['peak'] / GIB:.2f} / {res['points'][n]['seconds']:.1f} s")
+            else:
+                (a, b), (tc, tb) = res["line"], res["time_line"]
+                cells.append(f"~{(a + b * n) / GIB:.2f} / ~{tc + tb * n:.0f} s")
+        print(f"{n:>8}" + "".join(f"{c:>22}" for c in cells))
+    longest = [f"~{results[r]['longest']:,.0f} tokens" for r in runners]
+    print(f"{f'{opts.budget_gb:g} GB':>8}" + "".join(f"{c:>22}" for c in longest))
 
 
 if __name__ == "__main__":

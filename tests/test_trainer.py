@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
 from conftest import as_micro_batch, make_batch, scripted_sampler, token_ids
-from train import DapoArguments, GSM8KDataset, Samples, selective_log_softmax
+from train import DapoArguments, GSM8KDataset, Samples
 
 
 def varied(prompts, responses, answers):
@@ -195,26 +195,6 @@ def test_get_action_log_probs_equals_manual_log_softmax(make_trainer):
         manual = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)[:, -T:]
     assert got.shape == (4, T)
     assert torch.allclose(got, manual, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_selective_log_softmax_values_entropy_and_gradient(dtype):
-    # The hand-written backward against autograd through torch.log_softmax, on float32 and bf16 logits.
-    torch.manual_seed(0)
-    logits = (3 * torch.randn(3, 5, 11)).to(dtype).requires_grad_()
-    labels = torch.randint(0, 11, (3, 5))
-    weights = torch.randn(3, 5)  # an arbitrary upstream gradient
-    log_probs, entropy = selective_log_softmax(logits, labels)
-    (log_probs * weights).sum().backward()
-    reference = logits.detach().float().requires_grad_()
-    full = torch.log_softmax(reference, dim=-1)
-    expected = full.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    (expected * weights).sum().backward()
-    assert log_probs.dtype == entropy.dtype == torch.float32 and not entropy.requires_grad
-    assert torch.allclose(log_probs, expected, atol=1e-5)
-    assert torch.allclose(entropy, -(full.exp() * full).sum(-1).detach(), atol=1e-5)
-    assert logits.grad.dtype == dtype
-    assert torch.allclose(logits.grad.float(), reference.grad, atol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
 # ---------- optimisation ----------

@@ -1,0 +1,186 @@
+"""Log-probs from the hidden states (kernels.log_probs_from_hidden) equal the logits path they replace.
+
+The logits path: the model's [N, T, V] logits, a float32 log-softmax, the label's log-prob and the entropy,
+through autograd. Both see the same layout (padded or packed) and the same temperature; the blocks are made
+small (POSITIONS_PER_BLOCK 5) so that every pass crosses rows and ends on a partial block.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import kernels
+from conftest import make_batch, token_ids
+from packing import pack_sequences, padded_sequences, unpack
+
+
+def logits_path(trainer):
+    """trainer.get_action_log_probs, as it was before the log-probs came from the hidden states."""
+
+    def get_action_log_probs(model, input_ids, attention_mask, num_actions, with_entropy=False):
+        layout = pack_sequences if trainer.args.padding_free else padded_sequences
+        input_ids, inputs, labels, where = layout(input_ids, attention_mask, num_actions)
+        with trainer.autocast():
+            logits = model(input_ids, **inputs).logits  # [N, T, V]
+        if trainer.args.score_with_temperature:
+            logits = logits / trainer.args.temperature
+        all_log_probs = logits.float().log_softmax(dim=-1)  # [N, T, V]
+        log_probs = all_log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        entropy = -(all_log_probs.exp() * all_log_probs).sum(dim=-1).detach()
+        if where is not None:
+            log_probs, entropy = unpack(log_probs, where), unpack(entropy, where)
+        return (log_probs, entropy) if with_entropy else log_probs
+
+    trainer.get_action_log_probs = get_action_log_probs
+    return trainer
+
+
+def varied(prompts, responses, answers):
+    """Rewards 0, 1, 2, 3 within every group of 4: every group is kept, advantages are non-zero."""
+    return [float(i % 4) for i in range(len(responses))]
+
+
+def scripted(trainer):
+    """Generation replaced by responses of 3 to 10 tokens, every other one ending with EOS, others cut short."""
+    tok, eos = trainer.tokenizer, trainer.tokenizer.eos_token_id
+    texts = ["<think>\n12\n</think>\n<answer>\n5\n</answer>", "7", "<answer>\n3\n</answer>", "the sum is 40"]
+
+    def sample(input_ids, attention_mask):
+        rows = [token_ids(tok, texts[i % 4])[: 3 + i % 8] + [eos] * (i % 2) for i in range(len(input_ids))]
+        width = max(map(len, rows))
+        rows = [r + [tok.pad_token_id] * (width - len(r)) for r in rows]
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1), None  # no vLLM log-probs
+
+    trainer.sample = sample
+
+
+def loss_grads(trainer, inputs):
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def assert_same_grads(a, b):
+    assert a.keys() == b.keys() and len(a) > 0
+    scale = max(float(g.abs().max()) for g in b.values())
+    assert scale > 1e-3  # the loss really depends on the log-probs
+    for name in b:
+        assert (a[name] - b[name]).abs().max() <= 1e-5 * max(1.0, scale), name
+    norm = lambda grads: torch.stack([g.norm() for g in grads.values()]).norm()  # noqa: E731
+    assert abs(norm(a) - norm(b)) <= 1e-5 * norm(b)
+
+
+@pytest.mark.parametrize("tied, padding_free", [(True, False), (True, True), (False, False), (False, True)])
+def test_log_probs_entropy_loss_and_every_gradient_equal_the_logits_path(world, make_trainer, monkeypatch, tied,
+                                                                         padding_free):  # fmt: skip
+    monkeypatch.setattr(kernels, "POSITIONS_PER_BLOCK", 5)
+    model_dir, _ = world
+    settings = dict(reward_funcs=[varied], batch_size=2, num_iterations=2, beta=0.04, padding_free=padding_free)
+    settings |= dict(score_with_temperature=not tied, temperature=0.7)  # logits / 0.7 in half the cases
+    torch.manual_seed(1)  # untied: the same random output layer in both trainers
+    models = [AutoModelForCausalLM.from_pretrained(model_dir, tie_word_embeddings=tied) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    ours, theirs = make_trainer(model=models[0], **settings), logits_path(make_trainer(model=models[1], **settings))
+    assert (ours.model.lm_head.weight is ours.model.model.embed_tokens.weight) == tied
+    batches = []
+    for trainer in (ours, theirs):
+        scripted(trainer)
+        torch.manual_seed(0)
+        kept, _ = trainer.generate_experiences(make_batch(trainer, 2, varied=True))
+        batches.append(trainer.make_micro_batches(kept)[0])  # pi_old and pi_ref by each path
+    a, b = batches
+    assert (a.old_action_log_probs - b.old_action_log_probs).abs().max() < 1e-5
+    assert (a.ref_action_log_probs - b.ref_action_log_probs).abs().max() < 1e-5
+    noise = 0.3 * torch.randn(b.old_action_log_probs.shape, generator=torch.Generator().manual_seed(2))
+    a.old_action_log_probs = b.old_action_log_probs = b.old_action_log_probs + noise  # ratios off 1, some clipped
+    T = a.action_mask.size(1)
+    (lp_a, ent_a), (lp_b, ent_b) = (t.get_action_log_probs(t.model, *t.model_inputs(a), True) for t in (ours, theirs))
+    assert lp_a.shape == (8, T) and lp_a.requires_grad and not ent_a.requires_grad
+    assert (lp_a - lp_b).abs().max() < 1e-5 and (ent_a - ent_b).abs().max() < 1e-5
+    assert ent_b[a.action_mask.bool()].min() > 1.0  # a random model: entropies near log(120)
+    (loss_a, grads_a), (loss_b, grads_b) = loss_grads(ours, a), loss_grads(theirs, b)
+    assert abs(loss_a - loss_b) < 1e-5 and abs(loss_a) > 1e-3
+    assert_same_grads(grads_a, grads_b)
+    assert ("lm_head.weight" in grads_a) != tied  # untied: its own gradient, compared too
+
+
+def test_three_steps_give_the_same_weights_as_the_logits_path(make_trainer, monkeypatch):
+    monkeypatch.setattr(kernels, "POSITIONS_PER_BLOCK", 16)
+    settings = dict(reward_funcs=[varied], max_steps=3, batch_size=2, gradient_accumulation_steps=2, eval_steps=1000)
+    weights = []
+    for make in (make_trainer, lambda **s: logits_path(make_trainer(**s))):
+        torch.manual_seed(0)
+        trainer = make(**settings)
+        scripted(trainer)
+        initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trainer.train()
+        assert trainer.update_steps == 3
+        weights.append(trainer.model.state_dict())
+    moved = max(float((weights[0][k] - initial[k]).abs().max()) for k in initial)
+    assert moved > 1e-3  # Adam at lr 1e-3 moved the weights
+    assert max(float((weights[0][k] - weights[1][k]).abs().max()) for k in initial) < 1e-5
+
+
+def test_bf16_autocast_computes_the_logits_in_bf16_and_the_log_softmax_in_float32(world, monkeypatch):
+    """CPU autocast stands in for CUDA's: the output layer's matmuls in bf16 (as autocast runs the output layer),
+    log-probs, entropy and every gradient in float32, within bf16's rounding of the logits path."""
+    monkeypatch.setattr(kernels, "POSITIONS_PER_BLOCK", 5)
+    model = AutoModelForCausalLM.from_pretrained(world[0])
+    g = torch.Generator().manual_seed(0)
+    ids, labels, weights = torch.randint(0, 120, (3, 20), generator=g), None, torch.randn(3, 19, generator=g)
+    labels = ids[:, 1:]
+
+    def run(ours, autocast):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if ours:
+                with kernels.output_layer_scores(model, labels, temperature=0.7):
+                    log_probs = model(ids, logits_to_keep=19).logits[..., 0]
+            else:
+                logits = model(ids, logits_to_keep=19).logits
+                log_probs = (logits / 0.7).float().log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        (log_probs * weights).sum().backward()
+        return log_probs.detach(), model.lm_head.weight.grad.clone(), model.model.norm.weight.grad.clone()
+
+    ours, bf16, fp32 = run(True, True), run(False, True), run(False, False)
+    assert ours[0].dtype == ours[1].dtype == ours[2].dtype == torch.float32
+    assert (ours[0] - bf16[0]).abs().max() < 0.02  # bf16 logits: 8 bits of mantissa
+    assert (ours[0] - fp32[0]).abs().max() > 1e-4  # not float32's: the bf16 matmul really ran
+    for got, expected in zip(ours[1:], bf16[1:]):
+        assert (got - expected).norm() < 0.02 * expected.norm()
+
+
+def test_a_peft_lora_model_gets_the_same_log_probs_and_gradients(world, make_trainer, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setattr(kernels, "POSITIONS_PER_BLOCK", 5)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    models = [get_peft_model(AutoModelForCausalLM.from_pretrained(world[0]), lora) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    trainers = [make_trainer(model=models[0]), logits_path(make_trainer(model=models[1]))]
+    g = torch.Generator().manual_seed(0)
+    ids, weights = torch.randint(0, 120, (4, 24), generator=g), torch.randn(4, 10, generator=g)
+    mask = torch.ones_like(ids)
+    mask[:2, :5] = 0  # left padding
+    results = []
+    for trainer in trainers:
+        log_probs = trainer.get_action_log_probs(trainer.model, ids, mask, 10)
+        (log_probs * weights).sum().backward()
+        grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.requires_grad}
+        results.append((log_probs.detach(), grads))
+    (lp_a, grads_a), (lp_b, grads_b) = results
+    assert (lp_a - lp_b).abs().max() < 1e-5
+    assert len(grads_a) == 8 and all(g is not None for g in grads_a.values())  # 2 layers x (q, v) x (A, B)
+    assert_same_grads(grads_a, grads_b)
+
+
+def test_a_head_that_is_not_a_linear_layer_is_refused_in_one_line(world):
+    model = AutoModelForCausalLM.from_pretrained(world[0])
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    with pytest.raises(ValueError, match="need a bias-free nn.Linear output layer"):
+        with kernels.output_layer_scores(model, torch.zeros(1, 3, dtype=torch.long)):
+            pass
