@@ -203,6 +203,7 @@ class VllmSampler:
         # vLLM seeds Python's, NumPy's and torch's global RNGs while it starts; keep the trainer's.
         states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
         cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker swaps it for a no-op, for the whole process
         try:
             self.llm = vllm.LLM(
                 model=self.model_dir,
@@ -227,6 +228,7 @@ class VllmSampler:
                 ),
             )
         finally:
+            torch.set_num_threads = set_num_threads
             random.setstate(states[0])
             np.random.set_state(states[1])
             torch.random.set_rng_state(states[2])

@@ -17,6 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+import checkpoints
 import train
 from checkpoints import checkpoint_damage, write_checksums
 from train import main
@@ -250,7 +251,9 @@ def test_eval_only_checks_both_models_first_and_refuses_non_finite_weights(world
     gguf.write_bytes(b"GGUF")
     evaluate = ["--eval_only", f"--model_path={model_dir}", f"--data_path={data_dir}", f"--output_dir={tmp_path}"]
     with monkeypatch.context() as patch:
-        patch.setattr(train, "load_causal_lm", lambda path: pytest.fail("a model loaded before both were checked"))
+        patch.setattr(
+            checkpoints, "load_causal_lm", lambda path: pytest.fail("a model loaded before both were checked")
+        )
         with pytest.raises(SystemExit) as raised:
             main([*evaluate, f"--compare={gguf}", "--use_vllm=true"])
         assert error_line(raised) == f"error: --compare '{gguf}': use_vllm cannot load a .gguf model: convert it first"

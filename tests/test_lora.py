@@ -159,6 +159,7 @@ def test_vllm_applies_the_adapters_alone_after_each_sync(tmp_path):
                 p.add_(torch.randn_like(p) * scale)
         sampler.load_weights(model)
         ids, log_probs = sampler.sample(prompts, torch.ones_like(prompts), 0, 0.0, 1.0, 0, 8, [])  # greedy
+        ids = ids[:, prompts.size(1) :]  # [128, 8] the responses (sample returns prompt and response)
         with torch.no_grad():
             logits = model(torch.cat([prompts, ids], dim=1)).logits[:, prompts.size(1) - 1 : -1]  # [128, 8, V]
         mine = logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
