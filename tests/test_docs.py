@@ -146,7 +146,9 @@ def test_every_readme_command_is_run_by_ci_or_a_test_or_says_what_it_needs():
 def test_make_demo_runs_the_demo_and_make_test_the_suite(tmp_path):
     """The Quick start's two commands: each installs into .venv, then runs the demo / the suite (dry run:
     `make -n` prints the recipes without running them; a recursive make inherits -n)."""
-    env = dict(os.environ, VENV=str(tmp_path / "venv"))  # a venv that does not exist: every install step shows
+    # A user's shell: under `make test` (CI) the parent make's flags would add "Entering directory" lines.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    env["VENV"] = str(tmp_path / "venv")  # a venv that does not exist: every install step shows
     demo = subprocess.run(["make", "-n", "demo"], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     test = subprocess.run(["make", "-n", "test"], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     venv_python = str(tmp_path / "venv" / "bin" / "python")
