@@ -147,12 +147,19 @@ class LogProbsFromHidden(torch.autograd.Function):
             for rows in pieces(x, lse[at], labels[at], grad_log_probs[at]):
                 log_softmax_grad_(*rows)  # x: the gradient of the block's logits
             grad_z = x.to(ctx.dtype)  # [C, V], in the logits' dtype
-            grad_z = grad_z if tau == 1.0 else grad_z / tau  # through logits / temperature
+            if tau != 1.0:
+                grad_z.div_(tau)  # through logits / temperature; in place: x is not read again
             if grad_hidden is not None:
                 grad_hidden[at] = grad_z @ w
-            if ctx.needs_input_grad[1]:
-                product = grad_z.T @ hidden[at].to(ctx.dtype)  # [V, H]
-                grad_weight = product.float() if grad_weight is None else grad_weight.add_(product)
+            if ctx.needs_input_grad[1]:  # one [V, H] float32 sum: a product per block held beside it costs as much
+                h = hidden[at].to(ctx.dtype)
+                if grad_weight is None:
+                    grad_weight = (grad_z.T @ h).float()
+                elif grad_z.dtype == torch.float32:
+                    grad_weight.addmm_(grad_z.T, h)  # no [V, H] temporary
+                else:
+                    grad_weight += grad_z.T @ h  # a [V, H] temporary in the logits' dtype (bf16), freed at once
+            del x, grad_z  # this block's logits go before the next block's are made
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
 

@@ -11,7 +11,8 @@ gradient_checkpointing. Each micro-step runs in a fresh process on a random 2-la
 hidden size (1,536, intermediate 8,960) and Qwen2.5's 151,936 ids, tied embeddings, float32 on the CPU:
 rows x (prompt + length) tokens, all of them real, after a 16-token micro-step that allocates the gradients.
 Peak: the kernel's peak RSS (VmHWM, reset before the micro-step) over the RSS before it (weights and gradients
-are in the RSS before); with --device cuda, max_memory_allocated over memory_allocated, under bf16 autocast as
+are in the RSS before), under glibc's own heap policy for every runner (train.py's CPU setting
+kernels.reuse_freed_memory keeps freed memory in the process, +0.5 GiB of RSS that is not live tensors); with --device cuda, max_memory_allocated over memory_allocated, under bf16 autocast as
 train.py runs it. Time: CPU seconds of the micro-step (process_time, all threads; CUDA: wall seconds).
 
 Peak memory is linear in the length at fixed rows, so each runner is measured at the --fit lengths, a line
@@ -59,8 +60,10 @@ def ours(model, tokenizer_dir, rows, checkpointing, seed_path, device):
     import torch
     from transformers import AutoTokenizer
 
-    from seed_paths import use_seed_paths
+    from seed_paths import keep_glibc_heap_policy, use_seed_paths
     from train import DapoArguments, DapoTrainer, MicroBatch
+
+    keep_glibc_heap_policy()  # as for TRL: RSS then counts live tensors, not the heap train.py keeps for sampling
 
     args = DapoArguments(device=device, output_dir=tempfile.mkdtemp(), num_generations=rows)  # CUDA: bf16 autocast
     args.gradient_checkpointing = checkpointing

@@ -5,6 +5,10 @@ through autograd. Both see the same layout (padded or packed) and the same tempe
 small (POSITIONS_PER_BLOCK 5) so that every pass crosses rows and ends on a partial block.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -12,6 +16,8 @@ from transformers import AutoModelForCausalLM
 import kernels
 from conftest import make_batch, token_ids
 from packing import pack_sequences, padded_sequences, unpack
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def logits_path(trainer):
@@ -184,3 +190,36 @@ def test_a_head_that_is_not_a_linear_layer_is_refused_in_one_line(world):
     with pytest.raises(ValueError, match="need a bias-free nn.Linear output layer"):
         with kernels.output_layer_scores(model, torch.zeros(1, 3, dtype=torch.long)):
             pass
+
+
+PEAK_OF_ONE_PASS = """
+import sys, torch
+from kernels import log_probs_from_hidden
+V, H = 151936, 256  # Qwen2.5's ids; W [V, H] float32 is 148 MiB, a block's logits [512, V] 297 MiB
+weight = (0.02 * torch.randn(V, H)).requires_grad_()  # small logits: no denormals in exp
+def rss(kind):
+    lines = open("/proc/self/status").read().splitlines()
+    return next(int(line.split()[1]) * 1024 for line in lines if line.startswith(kind))
+def peak(K):  # forward + backward of K positions: peak RSS over the RSS before, MiB
+    hidden, labels = torch.randn(K, H, requires_grad=True), torch.randint(0, V, (K,))
+    weight.grad = None
+    base = rss("VmRSS:")
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+    log_probs_from_hidden(hidden, weight, labels)[0].sum().backward()
+    return (rss("VmHWM:") - base) / 2**20
+peak(1024)
+print(peak(1024), peak(1536))
+"""
+
+
+def test_the_log_prob_stage_does_not_grow_with_the_positions():
+    """Forward + backward of 1,024 positions (2 blocks) and 1,536 (3 blocks) on Qwen2.5's 151,936 ids peak alike:
+    one block of logits and W's float32 gradient at a time, whatever the length. A [V, H] product held per block
+    beside the sum (the bug this guards against) costs 148 MiB more from the third block on; the [K, V] logits,
+    297 MiB per 512 positions. In a fresh process, where glibc returns freed blocks to the kernel (RSS = live)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", PEAK_OF_ONE_PASS], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    two_blocks, three_blocks = map(float, out.stdout.split())
+    assert 148 + 297 <= two_blocks < 148 + 3 * 297  # W's gradient and the blocks: measured, not zero
+    assert three_blocks - two_blocks < 148 / 2, (two_blocks, three_blocks)
