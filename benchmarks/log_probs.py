@@ -5,7 +5,7 @@
                                    [--fit 128,256] [--max_gb 10] [--rows 2] [--prompt 64] [--threads 2]
 
 Runners: "seed" = the seed's log-probs (seed_paths.full_log_softmax: logits at every position and a float32
-log-softmax over them); "trl" = TRL 1.16's GRPOTrainer(loss_type="dapo", its default settings).compute_loss;
+log-softmax over them); "trl" = TRL 1.16's GRPOTrainer(loss_type="dapo", its default settings).compute_loss (pip install trl==1.16.0);
 "ours" = DapoTrainer.compute_loss (log-probs from the hidden states); "ours+gc" = the same with
 gradient_checkpointing. Each micro-step runs in a fresh process on a random 2-layer Qwen2 with Qwen2.5-1.5B's
 hidden size (1,536, intermediate 8,960) and Qwen2.5's 151,936 ids, tied embeddings, float32 on the CPU:
@@ -23,6 +23,7 @@ micro-step's peak under 24 GiB; the longest such length is computed from the lin
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -188,6 +189,10 @@ def main(argv=None):
     runners = opts.runners.split(",")
     if opts.worker:
         return worker(opts.worker, lengths[0], opts)
+    if unknown := set(runners) - set(RUNNERS):
+        parser.error(f"unknown runner(s) {', '.join(sorted(unknown))}; choose from {','.join(RUNNERS)}")
+    if "trl" in runners and importlib.util.find_spec("trl") is None:
+        parser.error("the trl runner needs TRL: pip install trl==1.16.0 (or leave it out: --runners seed,ours,ours+gc)")
     from tiny_world import build_tiny_world
     from train import SYSTEM_PROMPT
 
