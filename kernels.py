@@ -151,7 +151,7 @@ class LogProbsFromHidden(torch.autograd.Function):
                 grad_z.div_(tau)  # through logits / temperature; in place: x is not read again
             if grad_hidden is not None:
                 grad_hidden[at] = grad_z @ w
-            if ctx.needs_input_grad[1]:  # one [V, H] float32 sum: a product per block held beside it costs as much
+            if ctx.needs_input_grad[1]:  # W's gradient: one [V, H] float32 sum, no product per block beside it
                 h = hidden[at].to(ctx.dtype)
                 if grad_weight is None:
                     grad_weight = (grad_z.T @ h).float()
