@@ -5,15 +5,16 @@
                                    [--fit 128,256] [--max_gb 10] [--rows 2] [--prompt 64] [--threads 2]
 
 Runners: "seed" = the seed's log-probs (seed_paths.full_log_softmax: logits at every position and a float32
-log-softmax over them); "trl" = TRL 1.16's GRPOTrainer(loss_type="dapo", its default settings).compute_loss
-(pip install trl==1.16.0); "ours" = DapoTrainer.compute_loss (log-probs from the hidden states); "ours+gc" = the same with
-gradient_checkpointing. Each micro-step runs in a fresh process on a random 2-layer Qwen2 with Qwen2.5-1.5B's
-hidden size (1,536, intermediate 8,960) and Qwen2.5's 151,936 ids, tied embeddings, float32 on the CPU:
-rows x (prompt + length) tokens, all of them real, after a 16-token micro-step that allocates the gradients.
-Peak: the kernel's peak RSS (VmHWM, reset before the micro-step) over the RSS before it (weights and gradients
-are in the RSS before), under glibc's own heap policy for every runner (train.py's CPU setting
-kernels.reuse_freed_memory keeps freed memory in the process: +0.5 GiB of RSS that is not live tensors); with
---device cuda, max_memory_allocated over memory_allocated, under bf16 autocast as train.py runs it. Time: CPU seconds of the micro-step (process_time, all threads; CUDA: wall seconds).
+log-softmax over them); "trl" = TRL 1.16's GRPOTrainer(loss_type="dapo", its default settings).compute_loss (pip
+install trl==1.16.0); "ours" = DapoTrainer.compute_loss (log-probs from the hidden states); "ours+gc" = the same
+with gradient_checkpointing. Each micro-step runs in a fresh process on a random 2-layer Qwen2 with Qwen2.5-1.5B's
+hidden size (1,536, intermediate 8,960) and Qwen2.5's 151,936 ids, tied embeddings, float32 on the CPU: rows x
+(prompt + length) tokens, all of them real, after a 16-token micro-step that allocates the gradients. Peak: the
+kernel's peak RSS (VmHWM, reset before the micro-step) over the RSS before it (weights and gradients are in the RSS
+before), under glibc's own heap policy for every runner (train.py's CPU setting kernels.reuse_freed_memory keeps
+freed memory in the process: +0.5 GiB of RSS that is not live tensors); with --device cuda, max_memory_allocated
+over memory_allocated, under bf16 autocast as train.py runs it. Time: CPU seconds of the micro-step (process_time,
+all threads; CUDA: wall seconds).
 
 Peak memory is linear in the length at fixed rows, so each runner is measured at the --fit lengths, a line
 a + b * length fitted to them, and a length of the table is measured only when the line puts its peak under
