@@ -10,6 +10,7 @@ Rank 0 writes OUT_DIR/result.pt; every rank writes OUT_DIR/rank_R.json.
 
 import json
 import os
+import signal
 import sys
 import zlib
 
@@ -114,6 +115,22 @@ elif scenario == "starved_rank":  # rank 1 keeps no group: rank 0 fills every st
         trainer.train()
     except RuntimeError as error:
         report["error"], report["rounds"] = str(error), trainer.state.rounds
+    # SIGTERM on rank 1 alone (its node is preempted), in step 2: every rank finishes step 2, saves, and stops.
+    trainer = make_trainer(out + "_sigterm", max_steps=4, save_steps=100)
+    scripted_sampler(trainer)
+    optimizer_step = trainer.optimizer.step
+
+    def step_with_sigterm(*args, **kwargs):
+        if rank == 1 and trainer.state.update_steps == 1 and not trainer.stop_requested:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return optimizer_step(*args, **kwargs)
+
+    trainer.optimizer.step = step_with_sigterm
+    try:
+        trainer.train()
+    except KeyboardInterrupt:  # trainer.stop(): after the checkpoint
+        report["sigterm_stopped_at"] = trainer.state.update_steps
+        report["sigterm_saved"] = sorted(f for f in os.listdir(out + "_sigterm") if f.startswith("checkpoint_"))
 elif scenario == "main":  # train.py's main (training or --eval_only), with vLLM: what each rank sampled
     DapoTrainer.generate_samples = recording_generate_samples(report.setdefault("rollouts", []))
     train.main(overrides["argv"])

@@ -74,6 +74,9 @@ def test_a_rank_without_groups_still_steps_with_the_others(world, tmp_path):
         and "3 sampling rounds" in zero["error"]
         and "3 sampling rounds" in one["error"]
     )
+    # SIGTERM reached rank 1 alone in step 2: both ranks stopped after step 2, with its checkpoint
+    assert zero["sigterm_stopped_at"] == one["sigterm_stopped_at"] == 2
+    assert zero["sigterm_saved"] == one["sigterm_saved"] == ["checkpoint_2"]
 
 
 def train_py(world, out, *extra, nproc=2, check=True):
