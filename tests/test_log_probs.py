@@ -193,7 +193,7 @@ def test_a_head_that_is_not_a_linear_layer_is_refused_in_one_line(world):
 
 
 PEAK_OF_ONE_PASS = """
-import sys, torch
+import torch
 from kernels import log_probs_from_hidden
 V, H = 151936, 256  # Qwen2.5's ids; W [V, H] float32 is 148 MiB, a block's logits [512, V] 297 MiB
 weight = (0.02 * torch.randn(V, H)).requires_grad_()  # small logits: no denormals in exp
@@ -214,7 +214,7 @@ print(peak(1024), peak(1536))
 
 def test_the_log_prob_stage_does_not_grow_with_the_positions():
     """Forward + backward of 1,024 positions (2 blocks) and 1,536 (3 blocks) on Qwen2.5's 151,936 ids peak alike:
-    one block of logits and W's float32 gradient at a time, whatever the length. A [V, H] product held per block
+    W's float32 gradient and at most two blocks of logits at a time, whatever the length. A [V, H] product held per block
     beside the sum (the bug this guards against) costs 148 MiB more from the third block on; the [K, V] logits,
     297 MiB per 512 positions. In a fresh process, where glibc returns freed blocks to the kernel (RSS = live)."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="2")
