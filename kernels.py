@@ -82,7 +82,7 @@ def block_logits(hidden, weight, temperature):
     """Logits of a block of positions as the output layer makes them (hidden [C, H] @ weight [V, H]^T, in the
     weight's dtype: bf16 under autocast), divided by the temperature in that dtype, then in float32: [C, V]."""
     logits = hidden.to(weight.dtype) @ weight.T
-    return (logits if temperature == 1.0 else logits / temperature).float()
+    return (logits if temperature == 1.0 else logits.div_(temperature)).float()  # in place: one [C, V] at a time
 
 
 def pieces(*tensors):
@@ -101,9 +101,33 @@ def softmax_stats(x, labels, buffer):
 
 
 def log_softmax_grad_(x, lse, labels, g):
-    """x [c, V] float32 logits, overwritten with g * (onehot(labels) - softmax(x)): d (g * log p[label]) / dx."""
-    g = g.unsqueeze(-1)  # [c, 1]
-    return x.sub_(lse.unsqueeze(-1)).exp_().mul_(-g).scatter_add_(-1, labels.unsqueeze(-1), g)
+    """x [C, V] float32 logits, overwritten with g * (onehot(labels) - softmax(x)): d (g * log p[label]) / dx;
+    ROWS_PER_PASS rows at a time. Returns x."""
+    for x_, lse_, labels_, g_ in pieces(x, lse, labels, g.unsqueeze(-1)):  # g_ [c, 1]
+        x_.sub_(lse_.unsqueeze(-1)).exp_().mul_(-g_).scatter_add_(-1, labels_.unsqueeze(-1), g_)
+    return x
+
+
+def taken_grad(weight):
+    """weight.grad, taken off the weight, when backward can add W's gradient to it in place and return it; else None.
+
+    Autograd adds a returned gradient to an existing .grad, so the returned sum would be a second [V, H] float32
+    beside .grad (0.87 GiB at Qwen2.5-1.5B's shape, the stage's largest tensor once the logits are blocks) in every
+    micro-step after a step's first. Returned with .grad cleared, it becomes .grad again (a tied embedding's
+    gradient added first): the same sum, without the second tensor. Only where autograd would do no more than that
+    add: a leaf whose AccumulateGrad this backward runs (not torch.autograd.grad, not backward(inputs=) without
+    it), a dense float32 .grad, no tensor hooks (they would see the sum so far, not this pass's gradient)."""
+    grad = weight.grad
+    if grad is None or grad.dtype != torch.float32 or not grad.is_contiguous() or weight._backward_hooks:
+        return None
+    try:
+        accumulates = torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(weight).node)
+    except RuntimeError:  # torch.autograd.grad: it returns the gradient, .grad is not its to change
+        return None
+    if not accumulates:
+        return None
+    weight.grad = None
+    return grad
 
 
 class LogProbsFromHidden(torch.autograd.Function):
@@ -112,9 +136,10 @@ class LogProbsFromHidden(torch.autograd.Function):
     Forward: per block of POSITIONS_PER_BLOCK positions, the logits [C, V] give the label's log-prob, the entropy
     and the logsumexp (softmax_stats); the logsumexp [K] and the last block's logits are kept. Backward, last
     block first: each block's logits are computed again (but the kept ones), overwritten with their gradient
-    (log_softmax_grad_), whose products with W and h add to the gradients of the hidden states and of W (float32).
-    No [K, V] tensor exists in either pass; the cost is the output layer's matmul once more in backward for every
-    block but the last (none at the seed's lengths).
+    (log_softmax_grad_), whose products with W and h add to the gradients of the hidden states and of W (float32,
+    in W's .grad itself where autograd would only add to it: taken_grad). One block of logits at a time and no
+    [K, V] tensor in either pass; the cost is the output layer's matmul once more in backward for every block but
+    the last (none at the seed's lengths).
     """
 
     @staticmethod
@@ -126,6 +151,7 @@ class LogProbsFromHidden(torch.autograd.Function):
         x = None
         for s in range(0, labels.numel(), POSITIONS_PER_BLOCK):
             at = slice(s, s + POSITIONS_PER_BLOCK)
+            x = None  # the previous block goes before this one is made
             x = block_logits(hidden[at], w, temperature)  # [C, V]
             stats = [softmax_stats(*rows, buffer) for rows in pieces(x, labels[at])]
             log_probs[at], entropy[at], lse[at] = (torch.cat(values) for values in zip(*stats))  # [C] each
@@ -139,14 +165,12 @@ class LogProbsFromHidden(torch.autograd.Function):
         hidden, weight, labels, lse = ctx.saved_tensors
         w, tau = weight.to(ctx.dtype), ctx.temperature
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None  # [K, H]
-        grad_weight = None  # [V, H], summed in float32
+        grad_weight = taken_grad(weight) if ctx.needs_input_grad[1] else None  # [V, H], summed in float32
         for s in reversed(range(0, labels.numel(), POSITIONS_PER_BLOCK)):
             at = slice(s, s + POSITIONS_PER_BLOCK)
             x = block_logits(hidden[at], w, tau) if ctx.kept is None else ctx.kept  # [C, V], as in forward
             ctx.kept = None
-            for rows in pieces(x, lse[at], labels[at], grad_log_probs[at]):
-                log_softmax_grad_(*rows)  # x: the gradient of the block's logits
-            grad_z = x.to(ctx.dtype)  # [C, V], in the logits' dtype
+            grad_z = log_softmax_grad_(x, lse[at], labels[at], grad_log_probs[at]).to(ctx.dtype)  # [C, V]
             if tau != 1.0:
                 grad_z.div_(tau)  # through logits / temperature; in place: x is not read again
             if grad_hidden is not None:
@@ -168,8 +192,8 @@ def log_probs_from_hidden(hidden, weight, labels, temperature=1.0):
     """hidden [N, T, H] (the last layer's, normed), weight [V, H] (the output layer's), labels [N, T] ->
     (log_probs [N, T], entropy [N, T]) of softmax(hidden @ weight^T / temperature), both float32; only the
     log-probs carry a gradient (to hidden and weight). The matmuls run in the autocast dtype when autocast is on
-    (as the output layer would), else in the weight's. Extra memory: a few [POSITIONS_PER_BLOCK, V] blocks and
-    W's gradient, whatever N and T."""
+    (as the output layer would), else in the weight's. Extra memory: one [POSITIONS_PER_BLOCK, V] block of logits
+    at a time whatever N and T, and W's gradient where it has no .grad yet."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     log_probs, entropy = LogProbsFromHidden.apply(hidden.flatten(0, -2), weight, labels.flatten(), temperature, dtype)

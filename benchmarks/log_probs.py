@@ -2,7 +2,7 @@
 """Peak memory and time of one micro-step (forward + backward of the loss) by response length, side by side.
 
     python benchmarks/log_probs.py [--lengths 512,2048,8192,16384] [--runners seed,trl,ours,ours+gc]
-                                   [--fit 128,256] [--max_gb 10] [--rows 2] [--prompt 64] [--threads 2]
+                                   [--fit 128,256] [--max_gb 10] [--rows 2] [--prompt 64] [--threads 2] [--stage]
 
 Runners: "seed" = the seed's log-probs (seed_paths.full_log_softmax: logits at every position and a float32
 log-softmax over them); "trl" = TRL 1.16's GRPOTrainer(loss_type="dapo", its default settings).compute_loss (pip
@@ -15,6 +15,10 @@ before), under glibc's own heap policy for every runner (train.py's CPU setting 
 freed memory in the process: +0.5 GiB of RSS that is not live tensors); with --device cuda, max_memory_allocated
 over memory_allocated, under bf16 autocast as train.py runs it. Time: CPU seconds of the micro-step (process_time,
 all threads; CUDA: wall seconds).
+
+--stage: the loss stage alone, from the last hidden states to the loss (the output layer, the log-probs, the DAPO
+loss, forward + backward), for "seed" and "ours": the same trainer code, with a model that is nothing but its
+output layer over hidden states given as a leaf [rows, prompt + length, hidden]; what the decoder holds is left out.
 
 Peak memory is linear in the length at fixed rows, so each runner is measured at the --fit lengths, a line
 a + b * length fitted to them, and a length of the table is measured only when the line puts its peak under
@@ -31,6 +35,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
+
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -57,9 +64,25 @@ def reset_peak_rss():
         f.write("5")  # VmHWM := current RSS (Linux >= 4.0)
 
 
-def ours(model, tokenizer_dir, rows, checkpointing, seed_path, device):
-    """micro_step(ids [N, P+T], T): DapoTrainer.compute_loss(...).backward() on one micro-batch."""
-    import torch
+class OutputLayerOnly(torch.nn.Module):
+    """A causal LM with nothing before its output layer: hidden [N, W, H] (a leaf) stands for the last hidden
+    states; forward returns the output layer's logits at logits_to_keep (an index tensor) or at every position."""
+
+    def __init__(self, hidden, lm_head):
+        super().__init__()
+        self.hidden, self.lm_head = hidden, lm_head
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids, logits_to_keep=0, **kwargs):
+        hidden = self.hidden if isinstance(logits_to_keep, int) else self.hidden[:, logits_to_keep]
+        return types.SimpleNamespace(logits=self.lm_head(hidden))
+
+
+def ours(model, tokenizer_dir, rows, checkpointing, seed_path, device, stage=False):
+    """micro_step(ids [N, P+T], T): DapoTrainer.compute_loss(...).backward() on one micro-batch; stage: on an
+    OutputLayerOnly of the model's output layer over random hidden states (the loss stage alone)."""
     from transformers import AutoTokenizer
 
     from seed_paths import keep_glibc_heap_policy, use_seed_paths
@@ -79,14 +102,17 @@ def ours(model, tokenizer_dir, rows, checkpointing, seed_path, device):
     def micro_step(ids, T):
         advantages = torch.linspace(-1, 1, len(ids), device=ids.device)  # [N]
         inputs = MicroBatch(ids, torch.ones_like(ids), action_mask=torch.ones_like(ids[:, -T:]), advantages=advantages)
-        trainer.compute_loss(trainer.model, inputs).backward()
+        policy = trainer.model
+        if stage:
+            hidden = torch.randn(*ids.shape, model.config.hidden_size, device=ids.device, requires_grad=True)
+            policy = OutputLayerOnly(hidden, model.get_output_embeddings())  # [N, P+T, H] -> the loss
+        trainer.compute_loss(policy, inputs).backward()
 
     return micro_step
 
 
 def trl(model, tokenizer_dir, rows, device):
     """micro_step(ids, T): TRL's GRPOTrainer(loss_type="dapo").compute_loss(...).backward(), default settings."""
-    import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -118,7 +144,6 @@ def trl(model, tokenizer_dir, rows, device):
 
 def worker(runner, length, opts):
     """One micro-step of `runner` at `length` in this process: prints a JSON line."""
-    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.set_num_threads(opts.threads)
@@ -128,12 +153,14 @@ def worker(runner, length, opts):
     if runner == "trl":
         micro_step = trl(model, opts.tokenizer_dir, opts.rows, opts.device)
     else:
-        micro_step = ours(model, opts.tokenizer_dir, opts.rows, runner == "ours+gc", runner == "seed", opts.device)
+        gc, seed_path = runner == "ours+gc", runner == "seed"
+        micro_step = ours(model, opts.tokenizer_dir, opts.rows, gc, seed_path, opts.device, opts.stage)
     model.train()
     ids = torch.randint(0, SHAPE["vocab_size"], (opts.rows, opts.prompt + length), device=opts.device)
     micro_step(ids[:, -24:], 16)  # gradients allocated, lazy initialisation done
     for p in model.parameters():
-        p.grad.zero_()
+        if p.grad is not None:  # --stage: the output layer's alone
+            p.grad.zero_()
     if cuda:
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -154,7 +181,7 @@ def worker(runner, length, opts):
 def measure(runner, length, opts):
     command = [sys.executable, __file__, "--worker", runner, "--lengths", str(length), "--rows", str(opts.rows)]
     command += ["--prompt", str(opts.prompt), "--threads", str(opts.threads), "--tokenizer_dir", opts.tokenizer_dir]
-    command += ["--device", opts.device, "--layers", str(opts.layers)]
+    command += ["--device", opts.device, "--layers", str(opts.layers)] + ["--stage"] * opts.stage
     out = subprocess.run(command, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{runner} at {length}: {out.stderr[-2000:]}")
@@ -183,6 +210,7 @@ def main(argv=None):
     )
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (Qwen2.5-1.5B: 28)")
     parser.add_argument("--budget_gb", type=float, default=24.0, help="memory the longest trainable length must fit")
+    parser.add_argument("--stage", action="store_true", help="the loss stage alone (runners seed and ours)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer_dir", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
@@ -192,6 +220,8 @@ def main(argv=None):
         return worker(opts.worker, lengths[0], opts)
     if unknown := set(runners) - set(RUNNERS):
         parser.error(f"unknown runner(s) {', '.join(sorted(unknown))}; choose from {','.join(RUNNERS)}")
+    if opts.stage and set(runners) - {"seed", "ours"}:
+        parser.error("--stage measures the runners seed and ours: --runners seed,ours")
     if "trl" in runners and importlib.util.find_spec("trl") is None:
         parser.error("the trl runner needs TRL: pip install trl==1.16.0 (or leave it out: --runners seed,ours,ours+gc)")
     from tiny_world import build_tiny_world
@@ -214,7 +244,8 @@ def main(argv=None):
         line = f"peak = {a / GIB:.3f} GiB + {b / 2**20:.3f} MiB x length (measured at {sorted(points)})"
         print(f"{runner}: {line}; s = {tc:.2f} + {tb * 1000:.2f} ms x length; budget: ~{longest:,.0f}", flush=True)
     setting = f"{opts.rows} rows x ({opts.prompt} + length) tokens, {opts.threads} threads"
-    print(f"\nOne micro-step, {setting}. Peak over weights+gradients (GiB) / seconds; ~ = computed, not measured")
+    what = "The loss stage alone" if opts.stage else "One micro-step"
+    print(f"\n{what}, {setting}. Peak over weights+gradients (GiB) / seconds; ~ = computed, not measured")
     print(f"{'length':>8}" + "".join(f"{r:>22}" for r in runners))
     for n in lengths:
         cells = []
@@ -226,8 +257,9 @@ def main(argv=None):
                 (a, b), (tc, tb) = res["line"], res["time_line"]
                 cells.append(f"~{(a + b * n) / GIB:.2f} / ~{tc + tb * n:.0f} s")
         print(f"{n:>8}" + "".join(f"{c:>22}" for c in cells))
-    longest = [f"~{results[r]['longest']:,.0f} tokens" for r in runners]
-    print(f"{f'{opts.budget_gb:g} GB':>8}" + "".join(f"{c:>22}" for c in longest))
+    if not opts.stage:  # the decoder's share decides what fits
+        longest = [f"~{results[r]['longest']:,.0f} tokens" for r in runners]
+        print(f"{f'{opts.budget_gb:g} GB':>8}" + "".join(f"{c:>22}" for c in longest))
 
 
 if __name__ == "__main__":

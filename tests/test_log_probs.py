@@ -192,6 +192,51 @@ def test_a_head_that_is_not_a_linear_layer_is_refused_in_one_line(world):
             pass
 
 
+def dense_loss(hidden, weight, labels, g):
+    """sum(g * log softmax(hidden @ weight^T)[label]) through autograd: the reference."""
+    log_probs = (hidden @ weight.T).log_softmax(dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return (g * log_probs).sum()
+
+
+def test_the_output_weights_gradient_is_summed_into_its_grad_in_place_only_where_autograd_would_add_it(monkeypatch):
+    """A micro-step after a step's first finds W.grad holding the earlier ones' sum: backward adds its blocks to that
+    tensor (no second [V, H]: the memory test below) and the result is what autograd's own add gives, tied embedding
+    included. torch.autograd.grad, backward(inputs=) without W and a tensor hook on W see this pass's gradient alone."""
+    monkeypatch.setattr(kernels, "POSITIONS_PER_BLOCK", 4)  # 3 blocks of 4 over 10 positions + a partial one
+    gen = torch.Generator().manual_seed(0)
+    V, H, K = 50, 8, 14
+    weight = torch.randn(V, H, generator=gen).requires_grad_()
+    ids, labels = torch.randint(0, V, (K,), generator=gen), torch.randint(0, V, (K,), generator=gen)
+    g, earlier = torch.randn(K, generator=gen), torch.randn(V, H, generator=gen)
+
+    def ours(tied):
+        untied = torch.randn(K, H, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        hidden = weight[ids] * 1.5 if tied else untied  # tied: W's gradient from both ends
+        return (g * kernels.log_probs_from_hidden(hidden, weight, labels)[0]).sum(), hidden
+
+    for tied in (False, True):
+        reference = torch.autograd.grad(dense_loss(ours(tied)[1], weight, labels, g), weight)[0]
+        assert reference.abs().max() > 1e-2
+        weight.grad = earlier.clone()
+        ours(tied)[0].backward()
+        assert (weight.grad - (earlier + reference)).abs().max() < 1e-5
+
+        weight.grad = earlier.clone()
+        assert (torch.autograd.grad(ours(tied)[0], weight)[0] - reference).abs().max() < 1e-5
+        assert torch.equal(weight.grad, earlier)  # autograd.grad hands the gradient back, .grad untouched
+
+        loss, hidden = ours(tied)
+        loss.backward(inputs=[hidden])
+        assert torch.equal(weight.grad, earlier)  # W not among the inputs: its .grad is not this backward's
+
+        seen = []
+        hook = weight.register_hook(lambda grad: seen.append(grad.clone()))
+        ours(tied)[0].backward()
+        hook.remove()
+        assert (sum(seen) - reference).abs().max() < 1e-5  # the hook sees this pass's gradient, not the sum so far
+        assert (weight.grad - (earlier + reference)).abs().max() < 1e-5  # autograd's own add
+
+
 PEAK_OF_ONE_PASS = """
 import torch
 from kernels import log_probs_from_hidden
@@ -200,26 +245,29 @@ weight = (0.02 * torch.randn(V, H)).requires_grad_()  # small logits: no denorma
 def rss(kind):
     lines = open("/proc/self/status").read().splitlines()
     return next(int(line.split()[1]) * 1024 for line in lines if line.startswith(kind))
-def peak(K):  # forward + backward of K positions: peak RSS over the RSS before, MiB
+def peak(K, grad):  # forward + backward of K positions: peak RSS over the RSS before, MiB
     hidden, labels = torch.randn(K, H, requires_grad=True), torch.randint(0, V, (K,))
-    weight.grad = None
+    weight.grad = torch.zeros_like(weight) if grad else None
     base = rss("VmRSS:")
     open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
     log_probs_from_hidden(hidden, weight, labels)[0].sum().backward()
     return (rss("VmHWM:") - base) / 2**20
-peak(1024)
-print(peak(1024), peak(1536))
+peak(1024, True)
+print(peak(1024, False), peak(1024, True), peak(1536, True))
 """
 
 
-def test_the_log_prob_stage_does_not_grow_with_the_positions():
-    """Forward + backward of 1,024 positions (2 blocks) and 1,536 (3 blocks) on Qwen2.5's 151,936 ids peak alike:
-    W's float32 gradient and at most two blocks of logits at a time, whatever the length. A [V, H] product held per block
-    beside the sum (the bug this guards against) costs 148 MiB more from the third block on; the [K, V] logits,
-    297 MiB per 512 positions. In a fresh process, where glibc returns freed blocks to the kernel (RSS = live)."""
+def test_the_log_prob_stage_holds_one_block_of_logits_whatever_the_positions():
+    """Forward + backward of 1,024 positions (2 blocks) and 1,536 (3 blocks) on Qwen2.5's 151,936 ids: one [512, V]
+    block of logits (297 MiB) at a time, plus W's gradient (148 MiB) only where W has no .grad yet; with a .grad
+    (a micro-step after a step's first) it is summed there, no second [V, H] beside it. Guards against: a block
+    kept alive by a view of it while the next is made (+297 MiB), a [V, H] product per block beside the sum
+    (+148 MiB from the third block on), a returned [V, H] sum autograd adds to .grad (+148 MiB), the [K, V] logits
+    (297 MiB per 512 positions). In a fresh process, where glibc returns freed blocks to the kernel (RSS = live)."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="2")
     out = subprocess.run([sys.executable, "-c", PEAK_OF_ONE_PASS], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    two_blocks, three_blocks = map(float, out.stdout.split())
-    assert 148 + 297 <= two_blocks < 148 + 3 * 297  # W's gradient and the blocks: measured, not zero
+    first, two_blocks, three_blocks = map(float, out.stdout.split())
+    assert 0.9 * 297 <= two_blocks < 297 + 148 / 2, two_blocks  # one block, measured, not zero
     assert three_blocks - two_blocks < 148 / 2, (two_blocks, three_blocks)
+    assert 0.9 * (148 + 297) <= first < 148 + 297 + 148 / 2, first  # the new .grad and one block
