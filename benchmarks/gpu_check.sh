@@ -197,7 +197,7 @@ echo "gpu_check: long responses, one micro-step of the 1.5B shape"
 if [[ $mode == cuda ]]; then
     long=(--device cuda --layers 28 --rows 4 --prompt 256 --fit 1024,2048 --lengths 4096,8192,16384 --max_gb 40)
 else
-    long=(--device cpu --layers 1 --rows 1 --prompt 16 --fit 16,32 --lengths 64 --max_gb 4)
+    long=(--device cpu --layers 1 --rows 2 --prompt 16 --fit 16,32 --lengths 64 --max_gb 4)  # rows: a group of 2
 fi
 timeout 300 "$PYTHON" benchmarks/log_probs.py --runners ours,ours+gc --budget_gb "$BUDGET_GB" "${long[@]}" 2>&1 \
     | grep -v "it/s\]\|ba/s\]"
