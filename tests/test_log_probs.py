@@ -202,7 +202,7 @@ def test_the_output_weights_gradient_is_summed_into_its_grad_in_place_only_where
     """A micro-step after a step's first finds W.grad holding the earlier ones' sum: backward adds its blocks to that
     tensor (no second [V, H]: the memory test below) and the result is what autograd's own add gives, tied embedding
     included. torch.autograd.grad, backward(inputs=) without W and a tensor hook on W see this pass's gradient alone."""
-    monkeypatch.setattr(kernels, "POSITIONS_PER_BLOCK", 4)  # 3 blocks of 4 over 10 positions + a partial one
+    monkeypatch.setattr(kernels, "POSITIONS_PER_BLOCK", 4)  # 14 positions: 3 blocks of 4 and a partial one of 2
     gen = torch.Generator().manual_seed(0)
     V, H, K = 50, 8, 14
     weight = torch.randn(V, H, generator=gen).requires_grad_()
