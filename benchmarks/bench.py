@@ -593,8 +593,8 @@ def estimate(opts):
             layer = N * S * (16 * H + b * ((H + 2 * kv) + (H + kv) + 3 * H + 4 * I))
             act = L * N * S * 4 * H + layer if label.startswith("+g") else L * layer  # checkpoints: layer inputs
             cache = 2 * n if b == 2 else 0  # autocast's bf16 weight copies
-            if b == 2:  # kernels.LogProbsFromHidden, one block at a time: its bf16 logits and their float32 copy,
-                logits = 512 * V * (2 + 4) + V * H * 2  # W's bf16 gradient per block (summed into the float32 .grad)
+            if b == 2:  # kernels.LogProbsFromHidden: one block's bf16 logits and their float32 copy, and W's bf16
+                logits = 512 * V * (2 + 4) + V * H * 2  # product per block (added to the float32 .grad: in static)
             else:  # [N, S, V] logits, log_softmax's output, its gradient and backward's temporary
                 logits = 4 * N * S * V * 4
             total = static + act + cache + logits
