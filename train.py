@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import sys
 import time
 import warnings
 from collections import defaultdict
@@ -30,23 +29,23 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from kernels import generate_sharing_prompts, output_layer_scores, reuse_freed_memory, sampling_processors
-from packing import join_batches, micro_batch_groups, pack_sequences, pad_and_cat, pad_and_cat_groups
-from packing import numbered, padded_sequences, trim_group, unpack
-from cli import check_arguments, check_before_loading, check_eval_only, parse_cli, run_settings
-from data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_system_prompt
-from run_dir import claim_output_dir, hold_output_dir
-from checkpoints import deferred_interrupts, load_tokenizer, policy_model, reference_model, resume_run
-from checkpoints import save_final_model, save_run_checkpoint
-from writes import WriteFailed, append_log
-from guards import RunStopped, check_finite, check_rounds, check_weights, starvation_advice
-from reward_func import load_reward_models, reward_column, reward_func_name, reward_weight_tensor
-from user_rewards import SEED_REWARDS, answer_checker, check_rewards, reward_functions
-from curves import plot_command, redraw_curves
-from evaluation import evaluate_model, logged_metrics, run_eval, run_summary
-from trackers import loss_diagnostics, make_tracker, step_record
-import distributed
-from distributed import rollout_share
+import reward_func  # the seed's four reward functions; --reward_funcs names them
+from dapo_utils import distributed, launch
+from dapo_utils.checkpoints import deferred_interrupts, load_tokenizer, policy_model, reference_model, resume_run
+from dapo_utils.checkpoints import save_final_model, save_run_checkpoint
+from dapo_utils.cli import check_arguments
+from dapo_utils.curves import redraw_curves
+from dapo_utils.data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_system_prompt
+from dapo_utils.distributed import rollout_share
+from dapo_utils.evaluation import evaluate_model, logged_metrics
+from dapo_utils.guards import RunStopped, check_finite, check_rounds, check_weights, starvation_advice
+from dapo_utils.kernels import generate_sharing_prompts, output_layer_scores, reuse_freed_memory, sampling_processors
+from dapo_utils.packing import join_batches, micro_batch_groups, numbered, pack_sequences, pad_and_cat
+from dapo_utils.packing import pad_and_cat_groups, padded_sequences, trim_group, unpack
+from dapo_utils.rewards import answer_checker, load_reward_models, reward_column, reward_func_name
+from dapo_utils.rewards import reward_functions, reward_weight_tensor
+from dapo_utils.trackers import loss_diagnostics, make_tracker, step_record
+from dapo_utils.writes import append_log
 
 SYSTEM_PROMPT = """
 按照如下格式回答问题：
@@ -57,6 +56,7 @@ SYSTEM_PROMPT = """
 你的回答
 </answer>
 """
+SEED_REWARDS = "correctness_reward,digit_reward,hard_format_reward,mark_reward"  # reward_func.py's four
 
 
 # ============================================================
@@ -100,7 +100,7 @@ FilterMetric = Literal["reward", "correctness", "none"]  # dynamic sampling's ru
 LossAggMode = Literal["seed", "token-mean", "seq-mean-token-mean"]
 Tracker = Literal["none", "tensorboard", "wandb", "trackio"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]  # importance sampling (TRL)
-AnswerFormat, Checker = Literal["number", "gsm8k", "latex"], Literal["number", "math_verify"]  # data.py, user_rewards
+AnswerFormat, Checker = Literal["number", "gsm8k", "latex"], Literal["number", "math_verify"]  # data.py, rewards.py
 
 
 def arg(default, help, at_least=None):
@@ -113,10 +113,10 @@ def arg(default, help, at_least=None):
 class DapoArguments:
     # --- paths and run ---
     model_path: str = arg("./Qwen2.5-1.5B-Instruct", "policy: a Hugging Face folder or a .gguf file")
-    data_path: str = arg("./gsm8k_chinese", "swulling/gsm8k_chinese's folder, or any local data set (data.py)")
+    data_path: str = arg("./gsm8k_chinese", "swulling/gsm8k_chinese's folder, or any local data set (docs/own-data.md)")
     question_column: str = arg(QUESTION_COLUMN, "the data set's question column (the seed's)")
     answer_column: str = arg(ANSWER_COLUMN, "its reference answer column (the seed's)")
-    answer_format: AnswerFormat = arg("number", "answers: 'number' (seed), 'gsm8k' (after ####), 'latex' (data.py)")
+    answer_format: AnswerFormat = arg("number", "answers: 'number' (seed), 'gsm8k' (after ####), 'latex' (\\boxed{})")
     system_prompt: str = arg(SYSTEM_PROMPT, "the system prompt, or @FILE: a file's text (the seed's, Chinese)")
     output_dir: str = arg("./output", "logs, checkpoints and the final model go here")
     overwrite_output_dir: bool = arg(False, "a fresh run may clear an earlier run's logs and checkpoints there (TRL)")
@@ -144,9 +144,9 @@ class DapoArguments:
     generation_batch_size: int = arg(0, "prompts per sampling call, all ranks; 0 = what the rollout needs", at_least=0)
     max_generation_rows: int = arg(256, "at most this many responses per generate call (whole groups)", at_least=1)
     # --- rewards and dynamic sampling ---
-    reward_funcs: str = arg(",".join(SEED_REWARDS), "reward_func.py names or module:function paths (seed's four)")
+    reward_funcs: str = arg(SEED_REWARDS, "reward_func.py's function names, or module:function paths of your own")
     reward_weights: Optional[List[float]] = arg(None, "one weight per reward function; None = all 1.0")
-    answer_checker: Checker = arg("number", "compare answers as numbers (seed) or 'math_verify' (math_checker.py)")
+    answer_checker: Checker = arg("number", "compare answers as numbers (seed) or as maths: 'math_verify'")
     reward_timeout: float = arg(0.0, "seconds a reward call may take, then the run stops; 0 = no limit", at_least=0)
     filter_metric: FilterMetric = arg("reward", "skip a group: 'reward' all totals equal (seed), 'correctness' Eq. 11")
     max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit", at_least=0)
@@ -174,7 +174,7 @@ class DapoArguments:
     padding_free: bool = arg(False, "log-prob and loss passes on real tokens only, packed in one row (verl)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30%% slower")
     fsdp: bool = arg(False, "under torchrun, shard parameters, gradients and Adam states over the ranks (FSDP2)")
-    use_vllm: bool = arg(False, "sample with vLLM in this process (pip install -r requirements-vllm.txt; TRL's name)")
+    use_vllm: bool = arg(False, "sample with vLLM in this process (pip install -r requirements/vllm.txt; TRL's name)")
     vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (TRL's default)")
     vllm_enable_sleep_mode: bool = arg(False, "on CUDA, vLLM frees its memory between rollouts (TRL's name)")
     vllm_importance_sampling_cap: float = arg(0.0, "> 0: weight by pi_old / pi_vLLM, capped (verl: 2)", at_least=0)
@@ -384,7 +384,7 @@ class DapoTrainer:
             reuse_freed_memory()
         self.ref_model = reference_model(self.model, args)  # beta == 0: none, half the memory; LoRA: the base, no copy
         if args.fsdp:  # shard the policy and the reference model over the ranks
-            from fsdp import FsdpWorld
+            from dapo_utils.fsdp import FsdpWorld
 
             self.world = FsdpWorld.shard_models(self.world, self.model, self.ref_model)
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
@@ -417,7 +417,7 @@ class DapoTrainer:
 
         self.vllm = None  # use_vllm: vLLM samples in this process; the policy learns
         if args.use_vllm:
-            from vllm_sampler import VllmSampler
+            from dapo_utils.vllm_sampler import VllmSampler
 
             self.vllm = VllmSampler.for_trainer(self.model, args)  # one per process (torchrun: per rank)
 
@@ -600,7 +600,7 @@ class DapoTrainer:
         per_token_loss, ratio = dapo_per_token_loss(log_probs, old_log_probs, advantages, *eps)  # [N, T] each
         sampler_log_probs, metrics, kl = inputs.sampler_log_probs, {}, None  # [N, T] (use_vllm)
         if sampler_log_probs is not None:  # vLLM drew the tokens, the loss assumes pi_old did: gap, guard, weights
-            from vllm_sampler import sampler_correction
+            from dapo_utils.vllm_sampler import sampler_correction
 
             weight, metrics = sampler_correction(old_log_probs.detach(), inputs, args)
             per_token_loss = per_token_loss * weight  # [N, T]; 1 without vllm_importance_sampling_cap
@@ -842,55 +842,24 @@ def build_trainer(args, train=True):
     read = dict(columns=(args.question_column, args.answer_column), answer_format=args.answer_format)
     train_dataset = GSM8KDataset(args.data_path, tokenizer, "train", **read) if train else None  # --eval_only: none
     eval_dataset = GSM8KDataset(args.data_path, tokenizer, "test", **read)
-    reward_funcs = reward_functions(args, trial=eval_dataset)  # each tried on two rows before the model loads
+    reward_funcs = reward_functions(args, reward_func, trial=eval_dataset)  # each tried on two rows before loading
     return DapoTrainer(args.model_path, reward_funcs, args, train_dataset, eval_dataset, tokenizer)
 
 
-def main(argv=None):
-    cli, given = parse_cli(DapoArguments, argv)
-    if cli.plot:
-        try:
-            return print(plot_command(cli.plot))
-        except WriteFailed as error:  # a full disk
-            sys.exit(f"error: {error}")
-    try:  # the command line over a checkpoint's settings over the demo's, under the preset
-        overrides, checkpoint = run_settings(cli, given, DapoArguments)
-        args = build_args(cli.preset, overrides)
-        reward_funcs = reward_functions(args)  # names and import paths resolved and checked before anything loads
-        status = check_rewards(args, reward_funcs) if cli.check_rewards else None  # no model, no output_dir
-    except ValueError as error:
-        sys.exit(f"error: {error}")
-    if status is not None:
-        sys.exit(status)
-    if cli.eval_only:  # checked before anything loads
-        models = check_eval_only(args, cli.compare)
-    world = distributed.setup(args.device, args.num_threads)  # torchrun: rank 0 alone prepares the folders
-    hold = (args.output_dir, cli.take_over_lock, world.is_main, checkpoint is not None)  # a resume takes a dead lock
-    with hold_output_dir(*hold):  # rank 0 holds it for the run
-        if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
-            return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
-        if world.is_main:  # a fresh demo first builds its world in a folder of its own
-            if cli.demo and checkpoint is None:
-                from tiny_world import demo_world
-
-                args.model_path, args.data_path = demo_world(args.output_dir, SYSTEM_PROMPT, args.overwrite_output_dir)
-            check_before_loading(args, len(reward_funcs))
-            if checkpoint is None:  # a fresh run: an earlier run's logs and checkpoints go, or the run is refused
-                claim_output_dir(args.output_dir, args.overwrite_output_dir)
-        args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
-        try:
-            trainer = build_trainer(args)
-            if checkpoint:
-                resume_run(trainer, checkpoint)
-            trainer.train()
-            trainer.save_model()
-        except (ValueError, RunStopped, WriteFailed) as error:  # a refused resume, a diverged run, a full disk
-            sys.exit(f"error: {error}")
-        except KeyboardInterrupt:  # train() saved a checkpoint, or the final save kept the earlier files: said so
-            sys.exit(130)
-    if world.is_main:
-        print(run_summary(args.output_dir, trainer.history if cli.demo else None, time.perf_counter() - cli.started))
+def run(args, checkpoint=None):
+    """The seed's entry point: a trainer built from args (resumed from a checkpoint), trained, its model saved."""
+    trainer = build_trainer(args)
+    if checkpoint:
+        resume_run(trainer, checkpoint)
+    trainer.train()
+    trainer.save_model()
     return trainer
+
+
+def main(argv=None):
+    """python train.py [--demo | --resume=CHECKPOINT | --eval_only | --plot=DIR | --check_rewards] [--preset=NAME]
+    [--field=value ...]: the modes, the output folder's lock and the summary are dapo_utils/launch.py's."""
+    return launch.main(argv, DapoArguments, build_args, build_trainer, run, reward_func)
 
 
 if __name__ == "__main__":

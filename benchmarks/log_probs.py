@@ -83,9 +83,9 @@ class OutputLayerOnly(torch.nn.Module):
 def ours(model, tokenizer_dir, rows, checkpointing, seed_path, device, stage=False):
     """micro_step(ids [N, P+T], T): DapoTrainer.compute_loss(...).backward() on one micro-batch; stage: on an
     OutputLayerOnly of the model's output layer over random hidden states (the loss stage alone)."""
+    from seed_paths import keep_glibc_heap_policy, use_seed_paths
     from transformers import AutoTokenizer
 
-    from seed_paths import keep_glibc_heap_policy, use_seed_paths
     from train import DapoArguments, DapoTrainer, MicroBatch
 
     keep_glibc_heap_policy()  # as for TRL: RSS then counts live tensors, not the heap train.py keeps for sampling
@@ -224,7 +224,7 @@ def main(argv=None):
         parser.error("--stage measures the runners seed and ours: --runners seed,ours")
     if "trl" in runners and importlib.util.find_spec("trl") is None:
         parser.error("the trl runner needs TRL: pip install trl==1.16.0 (or leave it out: --runners seed,ours,ours+gc)")
-    from tiny_world import build_tiny_world
+    from dapo_utils.tiny_world import build_tiny_world
     from train import SYSTEM_PROMPT
 
     root = tempfile.mkdtemp()

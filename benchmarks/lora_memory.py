@@ -41,9 +41,10 @@ GB = 1e9
 def measure(config, model_path, data_path, lora_r):
     """One configuration in this process: {parameters, trainable, state bytes, peak bytes over the start}."""
     from bench import peak_rss_bytes, reset_peak_rss, rss_bytes
-    from tiny_world import DEMO_ARGS
-    from train import SEED_REWARD_FUNCS, DapoArguments, DapoTrainer, GSM8KDataset
     from transformers import AutoTokenizer
+
+    from dapo_utils.tiny_world import DEMO_ARGS
+    from train import SEED_REWARD_FUNCS, DapoArguments, DapoTrainer, GSM8KDataset
 
     settings = {**DEMO_ARGS, "model_path": model_path, "data_path": data_path, "output_dir": f"/tmp/lora_mem_{config}"}
     settings |= dict(max_steps=3, eval_steps=10**9, save_steps=10**9, lora_r=lora_r, overwrite_output_dir=True)

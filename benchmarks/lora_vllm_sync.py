@@ -34,7 +34,7 @@ def main():
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from vllm_sampler import VllmSampler
+    from dapo_utils.vllm_sampler import VllmSampler
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**SHAPES[opts.shape], **COMMON_SHAPE, dtype="float32"))

@@ -10,7 +10,7 @@ Each path gives the same results as train.py's (tests/test_performance.py checks
                        max_generate_length, instead of each group to its own longest
 - per_prompt_generate: one generate call per prompt instead of one per batch
 - full_log_softmax:    logits at every position and a float32 log-softmax over all of them
-                       ([N, P+T-1, V]), instead of the log-probs from the hidden states (kernels.py)
+                       ([N, P+T-1, V]), instead of the log-probs from the hidden states (dapo_utils/kernels.py)
 - multinomial_sampling: generate's own do_sample=True (softmax + torch.multinomial over all V ids),
                        instead of greedy generate over sampling_processors' SampleKeptTokens
 - old_log_prob_pass:   a no-grad pi_old pass even when num_iterations == 1 (where pi_old = pi_theta)

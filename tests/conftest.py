@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dapo_utils.tiny_world import build_tiny_world  # noqa: E402
 from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward  # noqa: E402
-from tiny_world import build_tiny_world  # noqa: E402
 from train import SYSTEM_PROMPT, DapoArguments, DapoTrainer, GSM8KDataset, MicroBatch, pad_and_cat_groups  # noqa: E402
 
 SEED_REWARDS = [correctness_reward, digit_reward, hard_format_reward, mark_reward]
@@ -32,7 +32,7 @@ def demo_world_built_once(tmp_path_factory):
     """`--demo` builds its world (a warm-up of ~20-30 s on 2 cores) in each of the five tests that run it. The same
     arguments give the same world to the bit, so the session builds it once and copies the files: the demo's own
     code (main, demo_world and its folder checks) still runs in every test."""
-    import tiny_world
+    from dapo_utils import tiny_world
 
     build, built = tiny_world.build_tiny_world, {}
 

@@ -19,12 +19,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import distributed  # noqa: E402
 import train  # noqa: E402
-from checkpoints import resume_run  # noqa: E402
+from conftest import recording_generate_samples  # noqa: E402
+from dapo_utils import distributed  # noqa: E402
+from dapo_utils.checkpoints import resume_run  # noqa: E402
 from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward  # noqa: E402
 from train import DapoArguments, DapoTrainer, GSM8KDataset  # noqa: E402
-from conftest import recording_generate_samples  # noqa: E402
 
 scenario, model_dir, data_dir, out = sys.argv[1:5]
 overrides = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}

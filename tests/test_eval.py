@@ -10,11 +10,18 @@ import torch
 
 import train
 from conftest import token_ids
-from curves import read_jsonl
-from evaluation import comparison_table, evaluate_model, majority_answer, pass_at_k, problem_record, summarise
-from evaluation import use_greedy
-from reward_func import extract_answer, extract_answer_lenient, is_correct, is_correct_lenient
-from tiny_world import demo_summary
+from dapo_utils.answers import extract_answer, extract_answer_lenient, is_correct, is_correct_lenient
+from dapo_utils.curves import read_jsonl
+from dapo_utils.evaluation import (
+    comparison_table,
+    evaluate_model,
+    majority_answer,
+    pass_at_k,
+    problem_record,
+    summarise,
+    use_greedy,
+)
+from dapo_utils.tiny_world import demo_summary
 from train import main
 
 # (response, reference answer, strict verdict, lenient verdict)
@@ -187,7 +194,7 @@ def test_demo_summary_reports_both_accuracies(tmp_path):
         "  # 20 more steps, from checkpoint_20",
         f"  python train.py --demo --resume=latest --output_dir={tmp_path} --max_steps=40",
     ]
-    from evaluation import accuracy_summary
+    from dapo_utils.evaluation import accuracy_summary
 
     assert accuracy_summary(str(tmp_path)).endswith("step 0 0.20 / 0.35  ->  step 20 0.50 / 0.55")
 

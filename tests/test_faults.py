@@ -17,9 +17,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-import checkpoints
 import train
-from checkpoints import checkpoint_damage, write_checksums
+from dapo_utils import checkpoints
+from dapo_utils.checkpoints import checkpoint_damage, write_checksums
 from train import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
@@ -201,7 +201,7 @@ def test_a_full_disk_anywhere_is_one_line_and_keeps_what_was_written(world, tmp_
     with pytest.raises(SystemExit) as raised:
         main([f"--plot={out}"])
     assert error_line(raised) == f"error: could not write the curves {out}/curves.png (No space left on device)"
-    monkeypatch.setattr("writes.open", no_space, raising=False)  # every log line
+    monkeypatch.setattr("dapo_utils.writes.open", no_space, raising=False)  # every log line
     with pytest.raises(SystemExit) as raised:
         main(["--resume=latest", f"--output_dir={out}", "--max_steps=2"])
     assert error_line(raised) == (

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from checkpoints import save_checkpoint
 from conftest import SEED_REWARDS
+from dapo_utils.checkpoints import save_checkpoint
+from dapo_utils.tiny_world import make_problems
 from train import DapoArguments, DapoTrainer
-from tiny_world import make_problems
 
 
 @pytest.fixture(scope="module")

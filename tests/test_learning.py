@@ -5,8 +5,8 @@ import re
 
 import torch
 
-from curves import read_step_log
-from tiny_world import DEMO_NUM_TEST, demo_summary
+from dapo_utils.curves import read_step_log
+from dapo_utils.tiny_world import DEMO_NUM_TEST, demo_summary
 from train import main
 
 

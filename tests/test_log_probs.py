@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import kernels
 from conftest import make_batch, token_ids
-from packing import pack_sequences, padded_sequences, unpack
+from dapo_utils import kernels
+from dapo_utils.packing import pack_sequences, padded_sequences, unpack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -239,7 +239,7 @@ def test_the_output_weights_gradient_is_summed_into_its_grad_in_place_only_where
 
 PEAK_OF_ONE_PASS = """
 import torch
-from kernels import log_probs_from_hidden
+from dapo_utils.kernels import log_probs_from_hidden
 V, H = 151936, 256  # Qwen2.5's ids; W [V, H] float32 is 148 MiB, a block's logits [512, V] 297 MiB
 weight = (0.02 * torch.randn(V, H)).requires_grad_()  # small logits: no denormals in exp
 def rss(kind):

@@ -9,13 +9,13 @@ import os
 import pytest
 import torch
 from peft.tuners.lora import LoraLayer
-from transformers import AutoModelForCausalLM
-
-import checkpoints
-from conftest import make_batch
-from lora import AdaptersOff, add_adapters
 from test_distributed import worker
 from test_vllm_trainer import SYNC_TOLERANCE, vllm_world
+from transformers import AutoModelForCausalLM
+
+from conftest import make_batch
+from dapo_utils import checkpoints
+from dapo_utils.lora import AdaptersOff, add_adapters
 from train import DapoArguments, DapoTrainer, main
 
 R = 4
@@ -98,7 +98,7 @@ def test_bad_lora_settings_stop_in_one_line_before_loading(world, tmp_path, monk
     find_spec = importlib.util.find_spec
     with monkeypatch.context() as patch:
         patch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
-        with pytest.raises(ValueError, match=r"lora_r > 0 needs peft: pip install -r requirements-lora.txt"):
+        with pytest.raises(ValueError, match=r"lora_r > 0 needs peft: pip install -r requirements/lora.txt"):
             DapoArguments(lora_r=8)
     with monkeypatch.context() as patch:
         patch.setenv("WORLD_SIZE", "2")
@@ -145,7 +145,7 @@ def test_vllm_samples_from_the_merged_weights(tmp_path):
 def test_vllm_applies_the_adapters_alone_after_each_sync(tmp_path):
     """vllm_sync_adapters: vLLM keeps the base and reloads the adapters in place at each sync; its greedy log-probs
     follow the policy's (adapters and all) through two adapter changes."""
-    from vllm_sampler import VllmSampler
+    from dapo_utils.vllm_sampler import VllmSampler
 
     model_dir, _ = vllm_world(str(tmp_path / "world"))
     args = DapoArguments(model_path=model_dir, device="cpu", lora_r=8, use_vllm=True, vllm_sync_adapters=True)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from cli import field_sections, parse_cli
+from dapo_utils.cli import field_sections, parse_cli
 from train import DapoArguments, main
 
 

@@ -9,8 +9,8 @@ import signal
 import pytest
 import torch
 
-import curves
-from curves import plot_curves, read_jsonl
+from dapo_utils import curves
+from dapo_utils.curves import plot_curves, read_jsonl
 from train import DapoArguments, main
 
 # The Ctrl-C test wraps optimizer.step; the LR scheduler warns about that.

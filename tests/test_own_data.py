@@ -12,14 +12,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import checkpoints
-import tiny_world
+import reward_func
 import train
-from curves import read_jsonl
-from evaluation import problem_record
-from reward_func import is_correct
+from dapo_utils import checkpoints, tiny_world
+from dapo_utils.answers import is_correct
+from dapo_utils.curves import read_jsonl
+from dapo_utils.evaluation import problem_record
+from dapo_utils.rewards import perfect_response, reward_functions
 from train import GSM8KDataset, build_args, main
-from user_rewards import perfect_response, reward_functions
 
 # docs/own-data.md's English prompt: the seed's <think>/<answer> format, in English
 ENGLISH_PROMPT = (
@@ -274,8 +274,8 @@ MATH_VERDICTS = [  # (reference answer, response, strict verdict, lenient verdic
 
 
 def test_math_style_answers_scored_by_math_verify(tmp_path):
-    from cli import parse_cli
-    from user_rewards import answer_checker
+    from dapo_utils.cli import parse_cli
+    from dapo_utils.rewards import answer_checker
 
     rows = [{"problem": f"problem {i}", "answer": reference} for i, (reference, *_) in enumerate(MATH_VERDICTS)]
     write_jsonl(tmp_path / "math" / "test.jsonl", rows)
@@ -285,7 +285,7 @@ def test_math_style_answers_scored_by_math_verify(tmp_path):
     args = build_args("seed", given)
     data = GSM8KDataset(args.data_path, None, "test", 0, (args.question_column, args.answer_column), args.answer_format)
     answers, responses = [item["answer"] for item in data], [response for _, response, *_ in MATH_VERDICTS]
-    correctness = reward_functions(args)[0]
+    correctness = reward_functions(args, reward_func)[0]
     assert correctness.__name__ == "correctness_reward"
     assert correctness([], responses, answers) == [2.0 if strict else 0.0 for *_, strict, _ in MATH_VERDICTS]
     checker = answer_checker(args.answer_checker)
@@ -295,11 +295,11 @@ def test_math_style_answers_scored_by_math_verify(tmp_path):
 
 
 def test_answer_checks_that_hang_or_raise_are_counted_and_a_slow_call_stops(tmp_path, monkeypatch):
-    import math_checker
-    from reward_func import RewardTimeoutError, reward_column
+    from dapo_utils import math_checker
+    from dapo_utils.rewards import RewardTimeoutError, reward_column
 
     args = build_args("seed", {"answer_checker": "math_verify"})
-    correctness = reward_functions(args)[0]
+    correctness = reward_functions(args, reward_func)[0]
     responses, answers = [tags("3/4"), tags("0.75"), "no answer"], ["\\frac{3}{4}"] * 3
 
     def hang(*args, **kwargs):

@@ -10,12 +10,20 @@ import os
 import pytest
 import torch
 
-from curves import read_step_log
 from conftest import SEED_REWARDS, as_micro_batch, make_batch, scripted_sampler, stub_log_probs, token_ids
+from dapo_utils.cli import parse_cli
+from dapo_utils.curves import read_step_log
 from reward_func import correctness_reward as real_correctness_reward
-from cli import parse_cli
-from train import DapoArguments, aggregate_loss, build_args, keep_groups, loss_normaliser, main, paper_preset
-from train import soft_overlong_punishment
+from train import (
+    DapoArguments,
+    aggregate_loss,
+    build_args,
+    keep_groups,
+    loss_normaliser,
+    main,
+    paper_preset,
+    soft_overlong_punishment,
+)
 
 # Several tests replace optimizer.step to capture gradients; the LR scheduler warns about that.
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from conftest import make_batch
 import train
+from conftest import make_batch
 from train import dapo_per_token_loss, group_advantages, k3_kl, main, paper_preset
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")

@@ -19,11 +19,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
-from conftest import make_batch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import kernels
+from conftest import make_batch
+from dapo_utils import kernels
 from train import Samples, sampling_processors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,12 +15,12 @@ import warnings
 import pytest
 import torch
 
-import checkpoints
 import train
-from checkpoints import write_checksums
 from conftest import make_batch
-from curves import read_jsonl
-from reward_func import is_correct
+from dapo_utils import checkpoints
+from dapo_utils.answers import is_correct
+from dapo_utils.checkpoints import write_checksums
+from dapo_utils.curves import read_jsonl
 from train import DapoArguments, GSM8KDataset, main
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
@@ -254,7 +254,7 @@ def test_the_demo_resumes_and_a_fresh_demo_clears_only_a_folder_it_made(tmp_path
 
 # ---------- output folders that belong to one run ----------
 def test_the_demo_refuses_a_folder_it_did_not_make(tmp_path, monkeypatch):
-    import tiny_world
+    from dapo_utils import tiny_world
 
     def no_world(*args, **kwargs):
         raise AssertionError("the demo built its world in another run's folder")

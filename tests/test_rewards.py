@@ -8,17 +8,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from reward_func import (
-    correctness_reward,
-    digit_reward,
-    extract_answer,
-    hard_format_reward,
-    is_correct,
-    mark_num,
-    mark_reward,
-    normalize_answer,
-    parse_number,
-)
+from dapo_utils.answers import extract_answer, is_correct, normalize_answer, parse_number
+from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_num, mark_reward
 from train import soft_overlong_punishment
 
 PERFECT = "<think>\n3+5=8\n</think>\n<answer>\n8\n</answer>\n"

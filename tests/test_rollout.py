@@ -7,13 +7,13 @@ import os
 import sys
 
 import torch
-
-from distributed import World
-from conftest import as_micro_batch, make_batch, scripted_sampler, token_ids
-from kernels import generate_sharing_prompts
-from packing import balanced_micro_batches, pack_sequences
-from train import loss_normaliser
 from transformers import TopKLogitsWarper
+
+from conftest import as_micro_batch, make_batch, scripted_sampler, token_ids
+from dapo_utils.distributed import World
+from dapo_utils.kernels import generate_sharing_prompts
+from dapo_utils.packing import balanced_micro_batches, pack_sequences
+from train import loss_normaliser
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from seed_paths import use_seed_paths  # noqa: E402

@@ -11,11 +11,13 @@ import torch
 from tokenizers import Tokenizer, decoders, models, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-# The repo root, where tiny_world.py and train.py live.
+# The repo root, where dapo_utils/tiny_world.py and train.py live.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import curves  # noqa: E402
-import tiny_world  # noqa: E402
+from dapo_utils import (
+    curves,  # noqa: E402
+    tiny_world,  # noqa: E402
+)
 from train import SYSTEM_PROMPT  # noqa: E402
 
 QUESTION = "小明有3个苹果，又买了5个，现在一共有几个苹果？"

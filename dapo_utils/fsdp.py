@@ -17,12 +17,17 @@ import contextlib
 from types import SimpleNamespace
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from distributed import World
+from dapo_utils.distributed import World
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0, in CPU memory
 

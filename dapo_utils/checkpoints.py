@@ -20,8 +20,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from curves import in_words, read_jsonl, read_step_log, subfolders
-from writes import WRITE_ERRORS, WriteFailed, why, writing
+from dapo_utils.curves import in_words, read_jsonl, read_step_log, subfolders
+from dapo_utils.writes import WRITE_ERRORS, WriteFailed, why, writing
 
 TRAINER_STATE = "trainer_state.pt"  # in the newest checkpoint: optimizer, scheduler, loop state, RNG
 ARGS_FILE = "dapo_args.json"  # in each checkpoint: the DapoArguments used
@@ -40,7 +40,7 @@ def load_causal_lm(path):
     """A float32 causal LM from a Hugging Face folder, or from a .gguf file (dequantised on load), or a LoRA adapter
     folder's base with its adapters merged in."""
     if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
-        from lora import load_merged
+        from dapo_utils.lora import load_merged
 
         return load_merged(path, load_causal_lm)
     if not path.endswith(".gguf"):
@@ -57,7 +57,7 @@ def policy_model(model, args, device):
     adapters on its frozen base (lora.py: TRL's peft_config, verl's lora_rank)."""
     model = (load_causal_lm(model) if isinstance(model, str) else model).to(device, torch.float32)
     if args.lora_r > 0:
-        from lora import add_adapters
+        from dapo_utils.lora import add_adapters
 
         return add_adapters(model, args)
     return model
@@ -69,7 +69,7 @@ def reference_model(policy, args):
     if args.beta == 0.0:
         return None
     if args.lora_r:
-        from lora import AdaptersOff
+        from dapo_utils.lora import AdaptersOff
 
         return AdaptersOff(policy)
     dtype = torch.bfloat16 if args.bf16 and args.device.startswith("cuda") else torch.float32
@@ -201,7 +201,7 @@ def resume(trainer, checkpoint, cut_logs=True):
     device = "cpu" if world.fsdp else args.device
     saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location=device, weights_only=True)
     if args.lora_r:  # the adapters; the frozen base is model_path's
-        from lora import load_adapters
+        from dapo_utils.lora import load_adapters
 
         load_adapters(trainer.model, checkpoint)
     else:
@@ -402,7 +402,7 @@ def save_final_model(model, tokenizer, output_dir, state_dict=None, merge_lora=F
             model.save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
             if merge_lora:
-                from lora import MERGED_DIR, save_merged
+                from dapo_utils.lora import MERGED_DIR, save_merged
 
                 save_merged(model, tokenizer, os.path.join(tmp, MERGED_DIR))
     except BaseException as error:  # a full disk, Ctrl-C, SIGTERM: nothing in output_dir has changed

@@ -1,4 +1,4 @@
-"""LoRA for DapoArguments.lora_r > 0, through Hugging Face's peft (pip install -r requirements-lora.txt).
+"""LoRA for DapoArguments.lora_r > 0, through Hugging Face's peft (pip install -r requirements/lora.txt).
 
 Each targeted linear layer keeps its weight W frozen and learns a low-rank update (Hu et al. 2021, Eq. 3):
 

@@ -23,7 +23,7 @@ import warnings
 import datasets
 from torch.utils.data import Dataset
 
-from reward_func import normalize_answer, parse_number
+from dapo_utils.answers import normalize_answer, parse_number
 
 QUESTION_COLUMN = "question_zh-cn"  # the seed's: swulling/gsm8k_chinese's Chinese problem text
 ANSWER_COLUMN = "answer_only"  # the seed's: the final number, e.g. 72

@@ -10,7 +10,7 @@ causes and the last good checkpoint (train.main prints it: RunStopped):
 import math
 import warnings
 
-from checkpoints import checkpoint_path, find_checkpoints, non_finite_weights
+from dapo_utils.checkpoints import checkpoint_path, find_checkpoints, non_finite_weights
 
 EMPTY_ROUNDS_WARNING = 20  # sampling rounds in a row without a valid group before a warning
 NEAR_ZERO_TEMPERATURE = 0.1  # below this a group's G responses are mostly one response

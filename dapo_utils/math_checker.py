@@ -1,5 +1,5 @@
 """--answer_checker=math_verify: answers compared as mathematics by Hugging Face's math-verify (an optional extra:
-pip install -r requirements-math.txt), so that \\frac{3}{4}, 0.75 and 3/4 agree, 2\\sqrt{3} is not 2, and
+pip install -r requirements/math.txt), so that \\frac{3}{4}, 0.75 and 3/4 agree, 2\\sqrt{3} is not 2, and
 intervals, sets and \\boxed{} answers are read (the number checker compares the last number of each side).
 
     strict   the text inside the first <answer>...</answer> block
@@ -21,8 +21,8 @@ import logging
 
 from math_verify import parse, verify
 
-from reward_func import ANSWER_REGEX, CHECK_FAILURES, AnswerChecker, normalize_answer
-from time_limits import TimeLimitExpired, time_limit
+from dapo_utils.answers import ANSWER_REGEX, CHECK_FAILURES, AnswerChecker, normalize_answer
+from dapo_utils.time_limits import TimeLimitExpired, time_limit
 
 CHECK_SECONDS = 5  # per parse and per comparison: math-verify's own default
 DELIMITERS = ("$", "\\(", "\\[", "\\boxed")

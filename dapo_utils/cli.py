@@ -17,10 +17,16 @@ import typing
 import torch
 from transformers import HfArgumentParser
 
-from checkpoints import ADAPTER_CONFIG, checkpoint_arguments, checkpoint_damage, checkpoint_path, find_checkpoint
-from checkpoints import find_checkpoints
-from data import load_split
-from run_dir import LOCK_FILE
+from dapo_utils.checkpoints import (
+    ADAPTER_CONFIG,
+    checkpoint_arguments,
+    checkpoint_damage,
+    checkpoint_path,
+    find_checkpoint,
+    find_checkpoints,
+)
+from dapo_utils.data import load_split
+from dapo_utils.run_dir import LOCK_FILE
 
 
 def check_arguments(args):
@@ -47,10 +53,10 @@ def check_arguments(args):
         (not args.device.startswith("cuda") or torch.cuda.is_available(), "device is cuda but no GPU is visible"),
         (all(isinstance(w, (int, float)) for w in args.reward_weights or []), "reward_weights must be numbers"),
         (tracker is None or importlib.util.find_spec(tracker), f"report_to={tracker!r} needs: pip install {tracker}"),
-        (vllm or importlib.util.find_spec("vllm"), "use_vllm needs vLLM: pip install -r requirements-vllm.txt"),
+        (vllm or importlib.util.find_spec("vllm"), "use_vllm needs vLLM: pip install -r requirements/vllm.txt"),
         (
             args.answer_checker != "math_verify" or importlib.util.find_spec("math_verify"),
-            "answer_checker='math_verify' needs math-verify: pip install -r requirements-math.txt",
+            "answer_checker='math_verify' needs math-verify: pip install -r requirements/math.txt",
         ),
         (
             args.answer_format != "latex" or args.answer_checker == "math_verify",
@@ -59,7 +65,7 @@ def check_arguments(args):
         (vllm or not args.model_path.endswith(".gguf"), "use_vllm cannot load a .gguf model: convert it first"),
         (
             not args.lora_r or importlib.util.find_spec("peft"),
-            "lora_r > 0 needs peft: pip install -r requirements-lora.txt",
+            "lora_r > 0 needs peft: pip install -r requirements/lora.txt",
         ),
         (args.lora_alpha > 0 and 0 <= args.lora_dropout < 1, "lora_alpha must be > 0 and lora_dropout in [0, 1)"),
         (not args.merge_lora or args.lora_r, "merge_lora merges LoRA adapters: it needs lora_r > 0"),
@@ -166,7 +172,7 @@ def run_settings(cli, given, arguments_class):
     (--resume), over the demo's (--demo)."""
     defaults, checkpoint = {}, None
     if cli.demo:
-        from tiny_world import DEMO_ARGS  # --preset paper too: the same world and steps
+        from dapo_utils.tiny_world import DEMO_ARGS  # --preset paper too: the same world and steps
 
         defaults = dict(DEMO_ARGS)
     if cli.resume:
@@ -202,7 +208,7 @@ def check_before_loading(args, num_reward_funcs):
             + download_help(args)
         )
     if args.lora_r:  # the names, on the architecture built without its weights
-        from lora import model_skeleton, unmatched_targets
+        from dapo_utils.lora import model_skeleton, unmatched_targets
 
         unmatched = unmatched_targets(model_skeleton(args.model_path), args.lora_target_modules)
         if unmatched:

@@ -6,9 +6,9 @@ with the seed's eval/accuracy for accuracy_strict):
 
     num_problems           test problems evaluated (--eval_samples; 0 = the whole split)
     accuracy_strict        share of responses whose number inside <answer>...</answer> equals the reference
-                           answer: the seed's rule (reward_func.is_correct, correctness_reward's), the number
+                           answer: the seed's rule (answers.is_correct, correctness_reward's), the number
                            in accuracy_losses.txt. With k responses per problem: over all of them (= pass@1)
-    accuracy_lenient       the same for the final answer found anywhere (reward_func.extract_answer_lenient):
+    accuracy_lenient       the same for the final answer found anywhere (answers.extract_answer_lenient):
                            the answer tags if they hold a number, else after an answer phrase (答案是, "the
                            answer is", ...), else the last number of the response
     format_rate            share of responses in the strict <think>/<answer> layout (hard_format_reward's pattern)
@@ -33,12 +33,13 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import LogitsProcessorList
 
-from checkpoints import non_finite_weights
-from curves import read_accuracies
-from reward_func import NUMBER_CHECKER, STRICT_FORMAT_REGEX, example_records, normalize_answer
-from writes import WriteFailed, writing
+from dapo_utils.answers import NUMBER_CHECKER, STRICT_FORMAT_REGEX, normalize_answer
+from dapo_utils.checkpoints import non_finite_weights
+from dapo_utils.curves import read_accuracies
+from dapo_utils.rewards import example_records
+from dapo_utils.writes import WriteFailed, writing
 
-RULES = ("strict", "lenient")  # the answer checker's extract and extract_lenient (reward_func.AnswerChecker)
+RULES = ("strict", "lenient")  # the answer checker's extract and extract_lenient (answers.AnswerChecker)
 
 
 def pass_at_k(n, c, k):
@@ -163,7 +164,7 @@ def run_summary(output_dir, demo_history=None, wall_seconds=0.0):
     (demo_history: the trainer's history) the demo's summary, which has them too, its wall time and next steps."""
     if demo_history is None:
         return accuracy_summary(output_dir)
-    from tiny_world import demo_summary
+    from dapo_utils.tiny_world import demo_summary
 
     return demo_summary(demo_history, output_dir, wall_seconds)
 

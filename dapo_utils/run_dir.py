@@ -11,7 +11,7 @@ import shutil
 import socket
 import sys
 
-from checkpoints import LOG_FILES, find_checkpoints
+from dapo_utils.checkpoints import LOG_FILES, find_checkpoints
 
 LOCK_FILE = "train.lock"  # in output_dir while a run writes there: {"pid": ..., "host": ..., "start": ...}
 # a finished run's model in output_dir (with LoRA: its adapters)

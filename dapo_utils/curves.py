@@ -24,7 +24,7 @@ import os
 import sys
 import warnings
 
-from writes import WriteFailed, writing
+from dapo_utils.writes import WriteFailed, writing
 
 ACCURACY_COLOR = "tab:red"
 LENIENT_COLOR = "tab:purple"

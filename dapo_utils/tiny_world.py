@@ -52,9 +52,9 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from checkpoints import find_checkpoints
-from curves import read_accuracies
-from run_dir import claim_output_dir
+from dapo_utils.checkpoints import find_checkpoints
+from dapo_utils.curves import read_accuracies
+from dapo_utils.run_dir import claim_output_dir
 
 DEMO_MARKER = "demo_world.txt"  # in the output_dir the demo made: the only kind of folder a new demo clears
 VOCAB_SIZE = 300  # the BPE stops at ~280: a prompt is ~31 tokens, Chinese phrases are single tokens

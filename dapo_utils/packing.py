@@ -133,7 +133,7 @@ def balanced_micro_batches(tokens, batch_size, num_steps):
     the longest group goes first, each into the micro-batch with the fewest tokens that has room. Micro-batches
     keep rollout order inside and are ordered by their first group: with batch_size 1, nothing moves.
     """
-    from distributed import step_slice
+    from dapo_utils.distributed import step_slice
 
     chunks = consecutive_micro_batches(len(tokens), batch_size)
     micro_batches = []

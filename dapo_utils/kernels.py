@@ -17,8 +17,14 @@ import ctypes
 import math
 
 import torch
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
-from transformers import TopPLogitsWarper
+from transformers import (
+    DynamicCache,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 class SampleKeptTokens(LogitsProcessor):
