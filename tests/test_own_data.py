@@ -115,7 +115,8 @@ def test_the_five_minute_recipe_runs_as_printed_and_learns(tmp_path):
     rows = read_jsonl(clone / "my_data" / "test.jsonl")
     assert len(rows) == tiny_world.DEMO_NUM_TEST and set(rows[0]) == {"problem", "solution"}
     accuracy = read_step_log(str(clone / "output" / "my_data" / "accuracy_losses.txt"))
-    assert sorted(accuracy) == [0, 20, 40] and accuracy[40] - accuracy[0] >= 0.10, accuracy  # 0.22 -> 0.48 here
+    assert sorted(accuracy) == [0, 20, 40], accuracy  # 0.22 -> 0.48 on an AVX-512 Xeon: the demo's first 40 steps,
+    assert accuracy[40] - accuracy[0] >= 0.05, accuracy  # which gain +0.12 to +0.29 over demo.md's six seeds
     assert f"step 0 {accuracy[0]:.2f} / {accuracy[0]:.2f}  ->  step 40 {accuracy[40]:.2f} /" in ran.stdout
 
 
