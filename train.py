@@ -18,11 +18,17 @@ import contextlib
 import dataclasses
 import json
 import math
+import sys
 import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, List, Literal, Optional
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # read from this file's text: torch takes 5 s
+    from dapo_utils.options import print_help
+
+    sys.exit(print_help(__file__))
 
 import torch
 from torch.utils.data import DataLoader
@@ -111,17 +117,18 @@ def arg(default, help, at_least=None):
 
 @dataclass
 class DapoArguments:
-    # --- paths and run ---
+    # --- data and prompt ---
     model_path: str = arg("./Qwen2.5-1.5B-Instruct", "policy: a Hugging Face folder or a .gguf file")
     data_path: str = arg("./gsm8k_chinese", "swulling/gsm8k_chinese's folder, or any local data set (docs/own-data.md)")
     question_column: str = arg(QUESTION_COLUMN, "the data set's question column (the seed's)")
     answer_column: str = arg(ANSWER_COLUMN, "its reference answer column (the seed's)")
     answer_format: AnswerFormat = arg("number", "answers: 'number' (seed), 'gsm8k' (after ####), 'latex' (\\boxed{})")
     system_prompt: str = arg(SYSTEM_PROMPT, "the system prompt, or @FILE: a file's text (the seed's, Chinese)")
+    # --- the run: where it writes, where it runs, its random numbers ---
     output_dir: str = arg("./output", "logs, checkpoints and the final model go here")
     overwrite_output_dir: bool = arg(False, "a fresh run may clear an earlier run's logs and checkpoints there (TRL)")
     device: str = arg("cuda" if torch.cuda.is_available() else "cpu", "where the model runs")
-    seed: int = arg(42, "seeds torch's RNG (sampling, shuffling, evaluation subsets)")
+    seed: int = arg(42, "seeds torch's random numbers (sampling, shuffling, evaluation subsets)")
     # --- optimisation (seed: plain Adam, constant lr) ---
     lr: float = arg(0.000001, "learning rate (seed and paper: 1e-6); 0 samples and logs without learning", at_least=0)
     epoch: int = arg(3, "passes over the training prompts", at_least=1)
@@ -136,7 +143,7 @@ class DapoArguments:
     # --- sampling ---
     num_generations: int = arg(4, "G: responses per prompt (group size; paper: 16)")
     max_prompt_length: int = arg(256, "longer prompts keep their last tokens", at_least=1)
-    max_generate_length: int = arg(128, "max new tokens per response (L_max)", at_least=1)
+    max_generate_length: int = arg(128, "max new tokens per response (the paper's L_max)", at_least=1)
     temperature: float = arg(0.9, "sampling temperature (seed 0.9; verl's DAPO recipe 1.0)")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 = off")
     top_k: int = arg(50, "top-k sampling; 0 = off (seed 50; verl's DAPO recipe off)", at_least=0)
@@ -148,18 +155,20 @@ class DapoArguments:
     reward_weights: Optional[List[float]] = arg(None, "one weight per reward function; None = all 1.0")
     answer_checker: Checker = arg("number", "compare answers as numbers (seed) or as maths: 'math_verify'")
     reward_timeout: float = arg(0.0, "seconds a reward call may take, then the run stops; 0 = no limit", at_least=0)
-    filter_metric: FilterMetric = arg("reward", "skip a group: 'reward' all totals equal (seed), 'correctness' Eq. 11")
+    filter_metric: FilterMetric = arg(
+        "reward", "skip a group: 'reward' if all totals are equal (seed), 'correctness' Eq. 11, 'none' never"
+    )
     max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit", at_least=0)
     max_empty_rounds: int = arg(200, "stop after this many rounds in a row keep no group; 0 = never (seed)", at_least=0)
-    overlong_buffer_len: int = arg(0, "L_cache of the soft overlong punishment (Eq. 13); 0 = off")
-    overlong_penalty_factor: float = arg(1.0, "scale of that punishment (-factor at L_max)", at_least=0)
+    overlong_buffer_len: int = arg(0, "overlong punishment of the last this many tokens (L_cache, Eq. 13); 0 = off")
+    overlong_penalty_factor: float = arg(1.0, "scale of that punishment (-factor at max_generate_length)", at_least=0)
     overlong_filter: bool = arg(False, "mask out the loss of responses that hit max_generate_length without EOS")
     # --- loss ---
     beta: float = arg(0.0, "KL coefficient; 0 = no reference model (saves memory)", at_least=0)
     clip_eps_low: float = arg(0.2, "ratio clipped below at 1 - clip_eps_low")
     clip_eps_high: float = arg(0.28, "ratio clipped above at 1 + clip_eps_high (clip-higher)")
     loss_agg_mode: LossAggMode = arg("seed", "'seed' per-group token mean, 'token-mean' Eq. 12, 'seq-mean-token-mean'")
-    # --- evaluation, logging, checkpoints ---
+    # --- evaluation, logs and checkpoints ---
     eval_steps: int = arg(10, "evaluate every this many optimizer steps (and before training)", at_least=1)
     eval_samples: int = arg(100, "random test problems per evaluation; 0 = the whole split", at_least=0)
     eval_num_generations: int = arg(1, "k responses per test problem; k > 1 adds pass@k and maj@k", at_least=1)
@@ -173,19 +182,22 @@ class DapoArguments:
     num_threads: int = arg(0, "torch's CPU threads; 0 = torch's default, one per core (the demo: 1)", at_least=0)
     padding_free: bool = arg(False, "log-prob and loss passes on real tokens only, packed in one row (verl)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30%% slower")
-    fsdp: bool = arg(False, "under torchrun, shard parameters, gradients and Adam states over the ranks (FSDP2)")
+    # --- vLLM ---
     use_vllm: bool = arg(False, "sample with vLLM in this process (pip install -r requirements/vllm.txt; TRL's name)")
     vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (TRL's default)")
     vllm_enable_sleep_mode: bool = arg(False, "on CUDA, vLLM frees its memory between rollouts (TRL's name)")
     vllm_importance_sampling_cap: float = arg(0.0, "> 0: weight by pi_old / pi_vLLM, capped (verl: 2)", at_least=0)
-    vllm_importance_sampling_mode: ISMode = arg("token_truncate", "w per token or per response; cap: truncate or mask")
+    vllm_importance_sampling_mode: ISMode = arg("token_truncate", "that weight per token or response; cap: cut or mask")
     vllm_logprob_diff_threshold: float = arg(0.1, "stop if mean |log pi_old - log pi_vLLM| > this; 0 = off", at_least=0)
+    # --- LoRA ---
     lora_r: int = arg(0, "LoRA rank: > 0 trains adapters alone; 0 = full fine-tuning (verl's lora_rank)", at_least=0)
-    lora_alpha: float = arg(16.0, "LoRA's update is (lora_alpha / lora_r) * B A (verl's lora_alpha, default 16)")
-    lora_dropout: float = arg(0.0, "dropout on the adapters' input (peft's default: 0, so pi_old is pi_theta)")
+    lora_alpha: float = arg(16.0, "adapters' update scaled by lora_alpha / lora_r (verl's name, default 16)")
+    lora_dropout: float = arg(0.0, "dropout on the adapters' input (peft's default 0: one policy samples and learns)")
     lora_target_modules: str = arg("all-linear", "'all-linear' (the decoder's linear layers; verl) or 'q_proj,v_proj'")
     vllm_sync_adapters: bool = arg(False, "LoRA + use_vllm: push the adapters alone, vLLM applies them (else merged)")
     merge_lora: bool = arg(False, "LoRA: also write output_dir/merged, base + adapters, a model loadable alone (TRL)")
+    # --- several processes (torchrun) ---
+    fsdp: bool = arg(False, "under torchrun, shard parameters, gradients and Adam states over the processes (FSDP2)")
 
     def __post_init__(self):
         self.system_prompt = read_system_prompt(self.system_prompt)  # @FILE: its text, as dapo_args.json keeps it

@@ -117,12 +117,8 @@ def save_checkpoint(trainer, model_state=None, optimizer_state=None):
         state = {"optimizer": optimizer_state, "scheduler": trainer.scheduler.state_dict()}
         state.update(loop=trainer.state.state_dict(), rng=torch.get_rng_state(), cuda_rng=cuda_rng)
         torch.save(state, os.path.join(tmp, TRAINER_STATE))
-        # Absolute paths: a resumed run may start in another working directory.
-        saved_args = dataclasses.asdict(args) | {
-            k: os.path.abspath(getattr(args, k)) for k in ("model_path", "data_path")
-        }
         with open(os.path.join(tmp, ARGS_FILE), "w", encoding="utf-8") as f:
-            json.dump(saved_args, f, indent=2)
+            json.dump(saved_arguments(args), f, indent=2)
         write_checksums(tmp)
         damage = checkpoint_damage(tmp, checksums=False)  # read back before any older trainer state goes
         if damage:
@@ -144,6 +140,12 @@ def save_checkpoint(trainer, model_state=None, optimizer_state=None):
     for old in older[: max(0, len(older) + 1 - args.save_total_limit)] if args.save_total_limit else []:
         shutil.rmtree(checkpoint_path(args.output_dir, old))
     return final
+
+
+def saved_arguments(args):
+    """A checkpoint's dapo_args.json: every field as resolved, the paths absolute (a resumed run may start in another
+    working directory). output_dir/dapo_args.json holds the same and more (record.py)."""
+    return dataclasses.asdict(args) | {k: os.path.abspath(getattr(args, k)) for k in ("model_path", "data_path")}
 
 
 def checkpoint_arguments(checkpoint, arguments_class):

@@ -9,13 +9,11 @@ import importlib.util
 import inspect
 import math
 import os
-import re
 import sys
 import time
 import typing
 
 import torch
-from transformers import HfArgumentParser
 
 from dapo_utils.checkpoints import (
     ADAPTER_CONFIG,
@@ -26,7 +24,8 @@ from dapo_utils.checkpoints import (
     find_checkpoints,
 )
 from dapo_utils.data import load_split
-from dapo_utils.run_dir import LOCK_FILE
+from dapo_utils.options import Field, print_help, python_command, sections_of
+from dapo_utils.options import parser as options_parser
 
 
 def check_arguments(args):
@@ -89,82 +88,39 @@ def check_arguments(args):
         raise ValueError("invalid DapoArguments: " + "; ".join(errors))
 
 
-def help_only(arguments_class):
-    """arguments_class with only each field's help in its metadata: HfArgumentParser hands every metadata entry
-    to argparse, and a field's rules beside it (at_least) are check_arguments', not argparse's."""
-    fields = dataclasses.fields(arguments_class)
-    helps = [
-        (f.name, f.type, dataclasses.field(default=f.default, metadata={"help": f.metadata["help"]})) for f in fields
-    ]
-    return dataclasses.make_dataclass(arguments_class.__name__, helps)
-
-
 def parse_cli(arguments_class, argv=None):
-    """Returns (namespace with the modes (--demo, --eval_only, ...) and `started`, the command's start
-    for its wall time, {field: value} of the fields given).
+    """Returns (namespace with the modes (--demo, --eval_only, ...), `started`, the command's start for its wall
+    time, and `argv`, the arguments as given; {field: value} of the fields given).
 
     Fields that are not given stay out of the overrides, so that presets and checkpoints can fill them. --help
-    shows the modes first, then the fields in the sections of arguments_class (field_sections).
+    (options.print_help) shows the modes first, then the fields in the sections of arguments_class's source.
     """
-    mode = "[--demo | --eval_only [--compare=MODEL] | --resume=CHECKPOINT | --plot=DIR | --check_rewards]"
-    usage = f"train.py {mode} [--preset=NAME] [--field=value ...]"
-    parser = HfArgumentParser(None, usage=usage, description="DAPO training on GSM8K (Chinese).", allow_abbrev=False)
-    modes = parser.add_argument_group("modes (none: train with the settings below)")
-    modes.add_argument("--demo", action="store_true", help="train a tiny built-in world on CPU (no download)")
-    modes.add_argument("--eval_only", action="store_true", help="evaluate model_path on the test split, no training")
-    modes.add_argument("--compare", metavar="MODEL", help="with --eval_only: a second model, in a before/after table")
-    modes.add_argument("--resume", metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest'")
-    modes.add_argument("--plot", metavar="DIR", help="draw DIR/curves.png from an existing output folder, then exit")
-    modes.add_argument("--check_rewards", action="store_true", help="score each reference answer as a response, exit")
-    modes.add_argument("--preset", choices=["seed", "paper"], default="seed", help="seed's or the paper's settings")
-    modes.add_argument("--take_over_lock", action="store_true", help=f"take over {LOCK_FILE} of a run that has ended")
-    fields = {f.name: f for f in dataclasses.fields(help_only(arguments_class))}
-    for title, names in field_sections(arguments_class).items():
-        group = parser.add_argument_group(title)
-        for name in names:
-            HfArgumentParser._parse_dataclass_field(group, fields[name])  # what HfArgumentParser(cls) does per field
-    one_switch_per_bool(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for i, token in enumerate(argv):  # `--reward_weights=1,0.5` -> `--reward_weights 1 0.5`
-        if token.startswith("--reward_weights="):
-            argv[i : i + 1] = ["--reward_weights", *token.split("=", 1)[1].split(",")]
+    script = inspect.getsourcefile(arguments_class)
+    given_argv = list(sys.argv[1:] if argv is None else argv)  # as typed: dapo_args.json records it
+    argv = list(given_argv)
+    if {"-h", "--help"} & set(argv):  # the one text that `python train.py --help` prints before torch loads
+        print_help(script)
+        sys.exit(0)
+    fields = [Field(f.name, f.type, f.metadata["help"], f.default) for f in dataclasses.fields(arguments_class)]
+    parser = options_parser(fields, sections_of(inspect.getsource(arguments_class), [f.name for f in fields]))
+    for i, token in enumerate(argv):
+        name, equals, value = token.partition("=")
+        if name.startswith("--") and "-" in name[2:]:  # --max-steps: --max_steps
+            argv[i] = token = "--" + name[2:].replace("-", "_") + equals + value
+        if token.startswith("--reward_weights="):  # `--reward_weights=1,0.5` -> `--reward_weights 1 0.5`
+            argv[i : i + 1] = ["--reward_weights", *value.split(",")]
     if any(token.split("=")[0] == "--vllm_tensor_parallel_size" for token in argv):  # TRL's name, not offered here
         parser.error(
             "vllm_tensor_parallel_size is not offered: each process's vLLM engine holds the whole model on its "
             "own GPU (one engine per rank, tensor parallel size 1); to shard training use --fsdp=true"
         )
-    unset = argparse.Namespace(started=time.perf_counter(), **dict.fromkeys(fields, dataclasses.MISSING))
+    unset = argparse.Namespace(started=time.perf_counter(), argv=given_argv)
+    vars(unset).update(dict.fromkeys([f.name for f in fields], dataclasses.MISSING))
     namespace = parser.parse_args(argv, namespace=unset)
     if namespace.compare and not namespace.eval_only:
         parser.error("--compare=MODEL compares two models without training: add --eval_only")
-    given = {name: getattr(namespace, name) for name in fields}
+    given = {f.name: getattr(namespace, f.name) for f in fields}
     return namespace, {name: value for name, value in given.items() if value is not dataclasses.MISSING}
-
-
-def field_sections(arguments_class):
-    """{section: [field names]} in the order of arguments_class's source, a section per `# --- title ---` comment
-    (a field before the first comment, or not found in the source: "settings")."""
-    names, sections, title = {f.name for f in dataclasses.fields(arguments_class)}, {}, "settings"
-    for line in inspect.getsource(arguments_class).splitlines():
-        heading, field = re.fullmatch(r"\s*# --- (.+) ---", line), re.match(r"    (\w+): ", line)
-        if heading:
-            title = heading.group(1)
-        elif field and field.group(1) in names:
-            sections.setdefault(title, []).append(field.group(1))
-            names.remove(field.group(1))
-    if names:
-        sections.setdefault("settings", []).extend(sorted(names))
-    return sections
-
-
-def one_switch_per_bool(parser):
-    """--help shows `--bf16` and `--no_bf16` (HfArgumentParser adds --no_X for a bool field whose default is True)
-    as one switch: the --no_X line goes, the --X line names it. Both still parse as before."""
-    actions = {action.option_strings[0]: action for action in parser._actions if action.option_strings}
-    for option, action in actions.items():
-        if option.startswith("--no_") and f"--{action.dest}" in actions:
-            actions[f"--{action.dest}"].help += f"; {option} = --{action.dest}=false"
-            action.help = argparse.SUPPRESS
 
 
 def run_settings(cli, given, arguments_class):
@@ -182,30 +138,44 @@ def run_settings(cli, given, arguments_class):
     return defaults | given, checkpoint
 
 
-def download_help(args):
-    return (
-        "Download them first (about 3 GB and 5 MB; `hf` comes with huggingface_hub):\n"
-        f"  hf download Qwen/Qwen2.5-1.5B-Instruct --local-dir {args.model_path}\n"
-        f"  hf download swulling/gsm8k_chinese --repo-type dataset --local-dir {args.data_path}\n"
-        "or from ModelScope:\n"
-        f"  modelscope download --model Qwen/Qwen2.5-1.5B-Instruct --local_dir {args.model_path}\n"
-        f"  modelscope download --dataset swulling/gsm8k_chinese --local_dir {args.data_path}\n"
-        "(gsm8k_chinese has 7,473 train and 1,319 test rows.) Or point --model_path/--data_path at them.\n"
-        "To see the trainer work without any download, run: python train.py --demo"
+SEED_MODEL = ("./Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct", "--model", "about 3 GB")  # default path, repo
+SEED_DATA = ("./gsm8k_chinese", "swulling/gsm8k_chinese", "--dataset", "5 MB; 7,473 train and 1,319 test rows")
+
+
+def download_help(path, seed_thing, flag):
+    """How to get what path should hold: at the default path, its download commands (`hf`, ModelScope); elsewhere,
+    where the seed's one comes from and to point flag at one that exists."""
+    default, repo, kind, size = seed_thing
+    hub_kind = " --repo-type dataset" if kind == "--dataset" else ""
+    commands = (
+        f"  hf download {repo}{hub_kind} --local-dir {path}\n  modelscope download {kind} {repo} --local_dir {path}\n"
     )
+    if os.path.normpath(path) == os.path.normpath(default):
+        return f"Download it ({size}; `hf` comes with huggingface_hub), or point {flag} at a copy:\n{commands}"
+    return f"Point {flag} at an existing one (the seed's is {repo}: `hf download {repo}{hub_kind} --local-dir {default}`).\n"
 
 
 def check_before_loading(args, num_reward_funcs):
     """The model and data folders exist and reward_weights fit the reward functions; else exit with one line
-    naming the problem and its fix."""
-    if not os.path.exists(args.model_path) or not os.path.exists(args.data_path):
-        sys.exit(
-            f"Model folder {args.model_path!r} or data set folder {args.data_path!r} not found.\n" + download_help(args)
+    naming what is missing (only that) and how to get it."""
+    missing = [
+        (what, path, seed_thing, flag)
+        for what, path, seed_thing, flag in (
+            ("model folder", args.model_path, SEED_MODEL, "--model_path"),
+            ("data set folder", args.data_path, SEED_DATA, "--data_path"),
         )
+        if not os.path.exists(path)
+    ]
+    if missing:
+        lines = [
+            f"error: {what} {path!r} not found. " + download_help(path, seed, flag)
+            for what, path, seed, flag in missing
+        ]
+        sys.exit("".join(lines) + f"To see the trainer work without any download: {python_command()} --demo")
     if os.path.isdir(args.model_path) and not os.path.isfile(os.path.join(args.model_path, "config.json")):
         sys.exit(
-            f"error: model folder {args.model_path!r} has no config.json (an interrupted download?)\n"
-            + download_help(args)
+            f"error: model folder {args.model_path!r} has no config.json (an interrupted download?) "
+            + download_help(args.model_path, SEED_MODEL, "--model_path")
         )
     if args.lora_r:  # the names, on the architecture built without its weights
         from dapo_utils.lora import model_skeleton, unmatched_targets

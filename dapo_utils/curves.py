@@ -15,13 +15,15 @@ A run appends to these logs, so one folder may hold several runs. A step counter
 down starts a new run; for a step that appears in several runs the last run's value is drawn.
 
 Per-step series are noisy, so each is drawn faint with its moving average (`smooth`) over it; the
-held-out accuracy, measured only every eval_steps, is drawn with a marker at each evaluation.
+held-out accuracy, measured only every eval_steps, is drawn with a marker at each evaluation, lenient dashed over
+strict. Series whose lines coincide are drawn once, their labels joined ("a = b (within 0.01)"): none hides another.
 """
 
 import contextlib
 import json
 import os
 import sys
+import textwrap
 import warnings
 
 from dapo_utils.writes import WriteFailed, writing
@@ -87,10 +89,13 @@ def read_metrics(path):
 
 
 def read_accuracies(output_dir):
-    """({step: strict accuracy} from accuracy_losses.txt, {step: lenient accuracy} from evaluations.jsonl)."""
-    strict = read_step_log(os.path.join(output_dir, "accuracy_losses.txt"))
+    """({step: strict accuracy}, {step: lenient accuracy}), both at full precision from evaluations.jsonl, so that
+    gains computed from them agree; strict from the seed's accuracy_losses.txt (2 decimals) where no evaluation
+    record has it (the seed's logs alone)."""
     evaluations = read_metrics(os.path.join(output_dir, "evaluations.jsonl"))
-    return strict, {r["step"]: r["eval/accuracy_lenient"] for r in evaluations if "eval/accuracy_lenient" in r}
+    strict = {r["step"]: r["eval/accuracy"] for r in evaluations if "eval/accuracy" in r}
+    lenient = {r["step"]: r["eval/accuracy_lenient"] for r in evaluations if "eval/accuracy_lenient" in r}
+    return strict or read_step_log(os.path.join(output_dir, "accuracy_losses.txt")), lenient
 
 
 def smooth(values, window=None):
@@ -177,17 +182,21 @@ def plot_curves(output_dir):
         ]
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.3 * len(panels) + 0.4), sharex=True, squeeze=False)
     for ax, (title, lines) in zip(axes[:, 0], panels):
-        if lines is None:
+        if lines is None:  # lenient dashed over strict: equal evaluations stay visible, and the legend says so
+            same = bool(lenient) and lenient == accuracy
             draw_accuracy(ax, accuracy, "strict (answer tags)", ACCURACY_COLOR)
-            draw_accuracy(ax, lenient, "lenient (final answer)", LENIENT_COLOR, below=True)
+            label = "lenient (final answer)" + (": equal to strict at every evaluation" if same else "")
+            draw_accuracy(ax, lenient, label, LENIENT_COLOR, second=True)
         else:
-            for index, (label, points) in enumerate(lines.items()):
+            for index, (label, points) in enumerate(coinciding(lines).items()):
                 if points:
                     draw_series(ax, points, label, f"C{index}")
         ax.set_title(title, fontsize=10, loc="left")
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:  # outside the axes, right: never over the data
-            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        handles, labels = ax.get_legend_handles_labels()
+        if handles:  # outside the axes, right: never over the data; a long label on several lines
+            labels = [textwrap.fill(label, 48, subsequent_indent="  ") for label in labels]
+            ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     axes[-1, 0].set_xlabel("update step")
     fig.tight_layout()
     path = os.path.join(output_dir, "curves.png")
@@ -210,21 +219,56 @@ def draw_series(ax, points, label, color):
         ax.plot(steps, values, color=color, marker=".", label=label)
         return
     ax.plot(steps, values, color=color, alpha=0.2, linewidth=0.8)
-    ax.plot(steps, smooth(values), color=color, linewidth=1.8, label=f"{label} (moving avg)")
+    ax.plot(steps, list(solid_line(points).values()), color=color, linewidth=1.8, label=f"{label} (moving avg)")
 
 
-def draw_accuracy(ax, accuracy, label, color, below=False):
-    """The evaluations as markers joined by a line, the first and last value written next to them (below: under
-    the points, so that a second series' labels do not cover the first's)."""
+def solid_line(points):
+    """{step: value} of the line draw_series draws solid: the moving average (the points of a short series)."""
+    steps = sorted(points)
+    values = [points[s] for s in steps]
+    return dict(zip(steps, values if len(steps) < 10 else smooth(values)))
+
+
+def coinciding(lines, tolerance=0.01):
+    """{label: points} with series whose solid lines coincide (at every step within tolerance times the panel's span
+    of values: closer than a line is wide) drawn once, under one label that says so ("digit_reward = mark_reward
+    (within 0.016)"): drawn apart, one would hide the others."""
+    solid = {label: solid_line(points) for label, points in lines.items()}
+    values = [value for line in solid.values() for value in line.values()]
+    close = tolerance * (max(values) - min(values)) if values else 0.0
+    groups = []  # [[labels], solid line, the largest gap in the group], in the order of lines
+    for label, line in solid.items():
+        for group in groups:
+            gap = largest_gap(line, group[1])
+            if gap is not None and gap <= close:
+                group[0].append(label)
+                group[2] = max(group[2], gap)
+                break
+        else:
+            groups.append([[label], line, 0.0])
+    said = lambda gap: " (equal)" if gap == 0 else f" (within {gap:.2g})"  # noqa: E731
+    return {" = ".join(names) + (said(gap) if len(names) > 1 else ""): lines[names[0]] for names, _, gap in groups}
+
+
+def largest_gap(a, b):
+    """max |a - b| over two series of the same steps; None when their steps differ (or they are empty)."""
+    return max(abs(a[step] - b[step]) for step in a) if a and a.keys() == b.keys() else None
+
+
+def draw_accuracy(ax, accuracy, label, color, second=False):
+    """The evaluations as markers joined by a line, the first and last value written next to them. second: the
+    second series, dashed with hollow markers and its values under the points, so that where the two are equal
+    both show and neither's labels cover the other's."""
     if not accuracy:
-        if not below:
+        if not second:
             ax.text(0.5, 0.5, "no evaluation yet", transform=ax.transAxes, ha="center", va="center", color="gray")
         return
     steps = sorted(accuracy)
     values = [accuracy[s] for s in steps]
-    ax.plot(steps, values, color=color, marker="o", markersize=5, linewidth=1.8, label=label)
+    style = dict(linestyle="--", marker="s", markerfacecolor="none", markersize=8) if second else dict(marker="o")
+    ax.plot(steps, values, color=color, linewidth=1.8, label=label, **({"markersize": 5} | style))
     ax.set_ylim(-0.02, 1.02)
-    dy = -12 if below else 6
+    dy = -12 if second else 6
     ax.annotate(f"{values[0]:.2f}", (steps[0], values[0]), textcoords="offset points", xytext=(4, dy), fontsize=8)
     if len(steps) > 1:
         end = (steps[-1], values[-1])

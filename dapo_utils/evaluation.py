@@ -159,16 +159,6 @@ def use_greedy(trainer):
     trainer.args.temperature = 0.0  # what sample_with_vllm passes on; vLLM reads 0 as greedy
 
 
-def run_summary(output_dir, demo_history=None, wall_seconds=0.0):
-    """What a training run prints at its end: the accuracies of its first and last evaluation; for --demo
-    (demo_history: the trainer's history) the demo's summary, which has them too, its wall time and next steps."""
-    if demo_history is None:
-        return accuracy_summary(output_dir)
-    from dapo_utils.tiny_world import demo_summary
-
-    return demo_summary(demo_history, output_dir, wall_seconds)
-
-
 def comparison_table(results):
     """A row per metric, a column per model ({label: metrics}), and with two models the second minus the first."""
     labels = list(results)

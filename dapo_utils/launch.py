@@ -4,6 +4,9 @@ run itself is train.py's `run` (the seed's entry point: build the trainer, train
 `main` hands this module its pieces, so that the package never imports the script.
 """
 
+import inspect
+import os
+import shlex
 import sys
 import time
 
@@ -11,8 +14,10 @@ from dapo_utils import distributed
 from dapo_utils.writes import WriteFailed
 from dapo_utils.cli import check_before_loading, check_eval_only, parse_cli, run_settings
 from dapo_utils.curves import plot_command
-from dapo_utils.evaluation import run_eval, run_summary
+from dapo_utils.evaluation import accuracy_summary, run_eval
 from dapo_utils.guards import RunStopped
+from dapo_utils.options import python_command
+from dapo_utils.record import write_run_arguments
 from dapo_utils.rewards import check_rewards, reward_functions
 from dapo_utils.run_dir import claim_output_dir, hold_output_dir
 
@@ -23,6 +28,8 @@ def main(argv, arguments_class, build_args, build_trainer, run, rewards_module):
     -> the trained trainer; rewards_module: where --reward_funcs' bare names live (reward_func). Returns the trainer
     (--eval_only: {model: metrics}); a refused or failed run exits with one line."""
     cli, given = parse_cli(arguments_class, argv)
+    script = inspect.getsourcefile(run)  # train.py
+    command = python_command(script)  # how this folder's shell runs train.py again
     if cli.plot:
         try:
             return print(plot_command(cli.plot))
@@ -44,22 +51,29 @@ def main(argv, arguments_class, build_args, build_trainer, run, rewards_module):
     with hold_output_dir(*hold):  # rank 0 holds it for the run
         if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
             return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
-        if world.is_main:  # a fresh demo first builds its world in a folder of its own
+        if world.is_main:  # a fresh demo first builds its world in a folder of its own, which it claims
             if cli.demo and checkpoint is None:
                 from dapo_utils.tiny_world import demo_world
 
                 world_paths = demo_world(args.output_dir, args.system_prompt, args.overwrite_output_dir)
                 args.model_path, args.data_path = world_paths
             check_before_loading(args, len(reward_funcs))
-            if checkpoint is None:  # a fresh run: an earlier run's logs and checkpoints go, or the run is refused
-                claim_output_dir(args.output_dir, args.overwrite_output_dir)
+            if checkpoint is None and not cli.demo:  # a fresh run: an earlier run's logs and checkpoints go, or
+                claim_output_dir(args.output_dir, args.overwrite_output_dir)  # the run is refused
         args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
         try:
+            if world.is_main:  # before the first sampling round: kept beside the final model
+                write_run_arguments(args, reward_funcs, f"{command} {shlex.join(cli.argv)}", os.path.dirname(script))
             trainer = run(args, checkpoint)
         except (ValueError, RunStopped, WriteFailed) as error:  # a refused resume, a diverged run, a full disk
             sys.exit(f"error: {error}")
         except KeyboardInterrupt:  # train() saved a checkpoint, or the final save kept the earlier files: said so
             sys.exit(130)
-    if world.is_main:
-        print(run_summary(args.output_dir, trainer.history if cli.demo else None, time.perf_counter() - cli.started))
+    if world.is_main:  # the demo's commands run with this interpreter, activated venv or not
+        if cli.demo:
+            from dapo_utils.tiny_world import demo_summary
+
+            print(demo_summary(trainer.history, args, time.perf_counter() - cli.started, checkpoint, command))
+        else:
+            print(accuracy_summary(args.output_dir))
     return trainer

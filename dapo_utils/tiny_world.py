@@ -45,6 +45,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 
 import datasets
 import torch
@@ -54,7 +55,8 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from dapo_utils.checkpoints import find_checkpoints
 from dapo_utils.curves import read_accuracies
-from dapo_utils.run_dir import claim_output_dir
+from dapo_utils.options import shown_path
+from dapo_utils.run_dir import LOCK_FILE, claim_output_dir
 
 DEMO_MARKER = "demo_world.txt"  # in the output_dir the demo made: the only kind of folder a new demo clears
 VOCAB_SIZE = 300  # the BPE stops at ~280: a prompt is ~31 tokens, Chinese phrases are single tokens
@@ -413,15 +415,18 @@ DEMO_WARM_UP_STEPS = 450  # 300 clean, then 150 noisy (WARM_UP_NOISY_SHARE)
 # paper's temperature 1, so its filter (keep a group only if 0 < #correct < G) keeps most groups.
 
 
-def demo_summary(history, output_dir, wall_seconds):
+def demo_summary(history, args, wall_seconds, resumed_from=None, command="python train.py"):
     """The closing lines of a demo: held-out accuracy, strict and lenient (evaluation.py), at step 0 and at the
     last evaluation (the headline, with every evaluation), then the mean total and correctness reward over the
     first and last 50 sampled steps (or fifth of them; with steps_per_generation 4 one step in 4 samples), the
-    logs, the wall time of the command, and what to run next (demo_next_steps).
-    history is trainer.history: one metrics dict per optimizer step."""
-    lines = [f"\ndemo summary after {history[-1]['step']} steps ({history[-1]['skipped_groups']} groups skipped):"]
+    logs, the wall time of the command, and what to run next (demo_next_steps, with command: python_command()).
+    history is trainer.history: one metrics dict per optimizer step; resumed_from: the checkpoint a --resume
+    started from (None: a fresh demo, which built its world)."""
+    output_dir, steps = args.output_dir, history[-1]["step"]
+    skipped = f"{history[-1]['skipped_groups']:,} groups skipped by dynamic sampling over all {steps} steps"
+    lines = [f"\ndemo summary after {steps} steps ({skipped}):"]
     for label, accuracy in zip(("held-out accuracy", "lenient accuracy"), read_accuracies(output_dir)):
-        if accuracy:
+        if accuracy:  # both at full precision (evaluations.jsonl), written to 2 decimals: the gains agree
             (first_step, first), (last_step, last) = min(accuracy.items()), max(accuracy.items())
             lines.append(
                 f"  {label:<17}  step {first_step} {first:.2f}  ->  step {last_step} {last:.2f}  ({last - first:+.2f})"
@@ -443,42 +448,57 @@ def demo_summary(history, output_dir, wall_seconds):
         )
     ]
     minutes, seconds = divmod(round(wall_seconds), 60)
+    how = f"from {os.path.basename(resumed_from)}" if resumed_from else "the world's construction and warm-up included"
     lines += [
         f"  logs: {output_dir}/accuracy_losses.txt, evaluations.jsonl, training_losses.txt, metrics.jsonl; curves.png",
-        f"  wall time: {minutes} min {seconds:02d} s, the world's warm-up included",
+        f"  wall time: {minutes} min {seconds:02d} s, {how}",
     ]
-    return "\n".join(lines + demo_next_steps(output_dir))
+    return "\n".join(lines + demo_next_steps(args, command))
 
 
-def demo_next_steps(output_dir):
-    """Ready-to-paste commands on the demo's own folders: its two models compared, the curves redrawn, and (when a
-    checkpoint is there) as many steps again from the newest one."""
-    demo = shlex.quote(output_dir)
-    model, data = (shlex.quote(os.path.join(output_dir, name)) for name in ("tiny-qwen2", "gsm8k_tiny"))
+def demo_next_steps(args, command):
+    """Ready-to-paste commands on the demo's own folders, each run by command (the interpreter and script that ran
+    the demo: with or without the venv activated, they run): its two models compared greedily on the problems its
+    evaluations used, into a folder of its own that a second paste overwrites; the curves redrawn; and (when a
+    checkpoint is there) as many steps again from the newest one, whose settings it keeps."""
+    output_dir = args.output_dir
+    path = lambda *names: shlex.quote(shown_path(os.path.join(output_dir, *names)))  # noqa: E731
+    demo, evaluated, model, data = path(), path("eval"), path("tiny-qwen2"), path("gsm8k_tiny")
+    every = args.eval_samples == 0 or args.eval_samples >= DEMO_NUM_TEST  # evaluation.evaluate_model's choice
+    problems = f"all {DEMO_NUM_TEST}" if every else f"{args.eval_samples} random"
     lines = [
-        "next steps (ready to paste):",
-        "  # the warm-up model (RL's start) beside the trained one, greedy, on all 200 test problems",
-        f"  python train.py --eval_only --model_path={model} --compare={demo} --data_path={data} --device=cpu"
-        f" --max_generate_length={DEMO_ARGS['max_generate_length']} --eval_samples=0"
-        f" --eval_batch_size={DEMO_NUM_TEST} --output_dir={demo}",
+        "next steps (ready to paste in this folder):",
+        f"  # the warm-up model (RL's start) beside the trained one, greedy, on {problems} test problems",
+        f"  {command} --eval_only --model_path={model} --compare={demo} --data_path={data} --device={args.device}"
+        f" --max_generate_length={args.max_generate_length} --eval_samples={args.eval_samples}"
+        f" --eval_batch_size={args.eval_batch_size} --output_dir={evaluated} --overwrite_output_dir=true",
         "  # curves.png again, from the logs",
-        f"  python train.py --plot={demo}",
+        f"  {command} --plot={demo}",
     ]
     if find_checkpoints(output_dir):
         step = max(find_checkpoints(output_dir))
         lines += [
             f"  # {step} more steps, from checkpoint_{step}",
-            f"  python train.py --demo --resume=latest --output_dir={demo} --max_steps={2 * step}",
+            f"  {command} --demo --resume=latest --output_dir={demo} --max_steps={2 * step}",
         ]
     return lines
 
 
 def demo_world(output_dir, system_prompt, overwrite=False, warm_up_steps=DEMO_WARM_UP_STEPS):
-    """A fresh demo in output_dir, marked as the demo's (DEMO_MARKER). An earlier demo's logs and checkpoints
-    there are cleared (they would mix with this one's); another run's folder is refused, unless overwrite
-    (run_dir.claim_output_dir). Then build the world there. Returns (model_dir, data_dir)."""
+    """A fresh demo in output_dir, marked as the demo's (DEMO_MARKER). A folder an earlier demo made is emptied, its
+    final model and evaluations too (all of it is that demo's; this run holds the lock); another run's folder is
+    refused, unless overwrite (run_dir.claim_output_dir: its logs and checkpoints go). Then build the world there.
+    Returns (model_dir, data_dir)."""
     marker = os.path.join(output_dir, DEMO_MARKER)
-    claim_output_dir(output_dir, overwrite or os.path.exists(marker), demo=True)
+    if os.path.exists(marker):
+        for name in set(os.listdir(output_dir)) - {LOCK_FILE}:
+            path = os.path.join(output_dir, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+    else:
+        claim_output_dir(output_dir, overwrite, demo=True)
     with open(marker, "w", encoding="utf-8") as f:
         f.write("made by `python train.py --demo`: a new demo may clear this folder\n")
     return build_tiny_world(output_dir, system_prompt, warm_up_steps=warm_up_steps)

@@ -1,9 +1,12 @@
-"""README.md and docs/: links that resolve, and README commands that something runs (or that say what they need).
+"""README.md and docs/: links that resolve, and the commands of README.md and of COMMAND_PAGES that something runs
+(or that say what they need).
 
-The convention for README commands: the line right before every ```bash block says who runs it or what it needs:
+The convention for their commands: the line right before every ```bash block says who runs it or what it needs:
     <!-- run by: .ci/run -->                   each command is a line of .ci/run
     <!-- run by: tests/test_x.py[::name] -->   the test (file or function) calls train.py's main with each --flag,
-                                               or dry-runs `make TARGET` and checks what it runs
+                                               or dry-runs `make TARGET` and checks what it runs, or pastes the
+                                               page's block as printed (its source names the page and calls
+                                               shell_scripts)
     <!-- needs: GPU | weights | internet ... -->   not run here: a GPU, the downloaded weights, or the internet
 """
 
@@ -14,6 +17,7 @@ import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEEDS = ("GPU", "weights", "internet")
+COMMAND_PAGES = ("README.md", "docs/own-data.md", "docs/lora.md")  # every command run, or said what it needs
 FENCE = re.compile(r"^```(\w*)\s*$")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 MARKER = re.compile(r"^<!--\s*(run by|needs):\s*(.+?)\s*-->$")
@@ -59,8 +63,8 @@ def broken_links(path, text):
     return broken
 
 
-def shell_blocks(text):
-    """(marker line before the block, [commands]) for each ```bash block; commands split at && without comments."""
+def shell_scripts(text):
+    """(marker line before the block, the block's text) for each ```bash block."""
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         match = FENCE.match(lines[i])
@@ -70,10 +74,17 @@ def shell_blocks(text):
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         if match.group(1) in ("bash", "sh", "shell", "console"):
             before = next((line.strip() for line in reversed(lines[:i]) if line.strip()), "")
-            commands = [re.sub(r"\s+#.*$", "", line) for line in lines[i + 1 : end]]
-            commands = [part.strip() for line in commands for part in line.split("&&") if part.strip()]
-            blocks.append((before, commands))
+            blocks.append((before, "\n".join(lines[i + 1 : end]) + "\n"))
         i = end + 1
+    return blocks
+
+
+def shell_blocks(text):
+    """(marker line before the block, [commands]) for each ```bash block; commands split at && without comments."""
+    blocks = []
+    for before, script in shell_scripts(text):
+        commands = [re.sub(r"\s+#.*$", "", line) for line in script.splitlines()]
+        blocks.append((before, [part.strip() for line in commands for part in line.split("&&") if part.strip()]))
     return blocks
 
 
@@ -87,9 +98,11 @@ def source_of(reference):
     return ast.get_source_segment(source, function)
 
 
-def runs(source, command):
+def runs(source, command, page=None):
     """Whether a test's source runs `python train.py ...` with each of the command's --flags (main([...]) or a
-    subprocess of train.py)."""
+    subprocess of train.py), or pastes the blocks of page as printed (shell_scripts of that page)."""
+    if page and f'"{page}"' in source and "shell_scripts(" in source:
+        return True
     words = command.split()
     if words[:1] == ["make"]:  # the test dry-runs the target (make -n TARGET) and checks its recipe
         return '"make", "-n"' in source and all(f'"{target}"' in source for target in words[1:])
@@ -99,8 +112,9 @@ def runs(source, command):
     return all(f'"{flag}' in source for flag in flags)
 
 
-def unaccounted_commands(text, ci_lines):
-    """README commands that neither .ci/run nor the named test runs, and blocks without a valid marker."""
+def unaccounted_commands(text, ci_lines, page=None):
+    """Commands of a page (its text) that neither .ci/run nor the named test runs, and blocks without a valid
+    marker."""
     problems = []
     for before, commands in shell_blocks(text):
         marker = MARKER.match(before)
@@ -113,7 +127,8 @@ def unaccounted_commands(text, ci_lines):
             sources = marker.group(2).replace(",", " ").split()
             for command in commands:
                 by_ci = ".ci/run" in sources and command in ci_lines
-                if not by_ci and not any(runs(source_of(s), command) for s in sources if s.startswith("tests/")):
+                by_test = any(runs(source_of(s), command, page) for s in sources if s.startswith("tests/"))
+                if not by_ci and not by_test:
                     problems.append(f"{command!r} is not run by {', '.join(sources)}")
     return problems
 
@@ -140,7 +155,8 @@ def test_every_readme_command_is_run_by_ci_or_a_test_or_says_what_it_needs():
     ci_lines = {line.strip() for line in read(".ci/run").splitlines()}
     blocks = shell_blocks(read("README.md"))
     assert any(MARKER.match(before).group(1) == "run by" for before, _ in blocks)  # the two quick-start blocks
-    assert unaccounted_commands(read("README.md"), ci_lines) == []
+    for page in COMMAND_PAGES:
+        assert unaccounted_commands(read(page), ci_lines, page) == [], page
 
 
 def test_make_demo_runs_the_demo_and_make_test_the_suite(tmp_path):

@@ -170,33 +170,50 @@ def test_eval_metrics_during_training(make_trainer):
     ]  # each step's record holds its evaluation
 
 
-def test_demo_summary_reports_both_accuracies(tmp_path):
-    (tmp_path / "accuracy_losses.txt").write_text("0,0.20\n20,0.50\n")
-    lines = [{"step": 0, "eval/accuracy_lenient": 0.35}, {"step": 20, "eval/accuracy_lenient": 0.55}]
-    (tmp_path / "evaluations.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    summary = demo_summary([{"step": 20, "skipped_groups": 3}], str(tmp_path), 94.6).splitlines()
-    assert summary[2].startswith("  held-out accuracy  step 0 0.20  ->  step 20 0.50  (+0.30)")
-    assert summary[3].startswith("  lenient accuracy   step 0 0.35  ->  step 20 0.55  (+0.20)")
-    assert summary[7:] == [  # its wall time, then what to run next, on its own folders
-        "  wall time: 1 min 35 s, the world's warm-up included",
-        "next steps (ready to paste):",
-        "  # the warm-up model (RL's start) beside the trained one, greedy, on all 200 test problems",
-        f"  python train.py --eval_only --model_path={tmp_path}/tiny-qwen2 --compare={tmp_path} "
-        f"--data_path={tmp_path}/gsm8k_tiny --device=cpu --max_generate_length=20 --eval_samples=0 "
-        f"--eval_batch_size=200 --output_dir={tmp_path}",
-        "  # curves.png again, from the logs",
-        f"  python train.py --plot={tmp_path}",
+def test_demo_summary_reports_both_accuracies_at_one_precision(tmp_path, monkeypatch):
+    """Strict and lenient gains from the same full-precision evaluations (accuracy_losses.txt has 2 decimals: 0.215
+    is written 0.21 and 0.615 0.61, a gain of +0.40 beside the +0.41 it is); the skipped groups are a running
+    total; a fresh demo's wall time includes its world, a resumed one's says where it started."""
+    monkeypatch.chdir(tmp_path)  # the demo's folder under the current one: its commands name it relatively
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "accuracy_losses.txt").write_text("0,0.21\n20,0.61\n")
+    lines = [
+        {"step": 0, "eval/accuracy": 0.205, "eval/accuracy_lenient": 0.205},
+        {"step": 20, "eval/accuracy": 0.615, "eval/accuracy_lenient": 0.615},
     ]
-    (tmp_path / "checkpoint_20").mkdir()  # with a checkpoint: as many steps again from it
-    assert demo_summary([{"step": 20, "skipped_groups": 3}], str(tmp_path), 61).splitlines()[7:] == [
-        "  wall time: 1 min 01 s, the world's warm-up included",
+    (out / "evaluations.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = train.DapoArguments(output_dir="demo", max_generate_length=20, eval_samples=200, eval_batch_size=200)
+    history = [{"step": 20, "skipped_groups": 3687}]
+    summary = demo_summary(history, args, 94.6, command=".venv/bin/python train.py").splitlines()
+    assert summary[1] == "demo summary after 20 steps (3,687 groups skipped by dynamic sampling over all 20 steps):"
+    assert summary[2].startswith("  held-out accuracy  step 0 0.20  ->  step 20 0.61  (+0.41)  [every evaluation: ")
+    assert summary[3].startswith("  lenient accuracy   step 0 0.20  ->  step 20 0.61  (+0.41)")
+    assert summary[7:] == [  # its wall time, then what to run next, on its own folders, with the interpreter that ran
+        "  wall time: 1 min 35 s, the world's construction and warm-up included",
+        "next steps (ready to paste in this folder):",
+        "  # the warm-up model (RL's start) beside the trained one, greedy, on all 200 test problems",
+        "  .venv/bin/python train.py --eval_only --model_path=demo/tiny-qwen2 --compare=demo "
+        "--data_path=demo/gsm8k_tiny --device=cpu --max_generate_length=20 --eval_samples=200 "
+        "--eval_batch_size=200 --output_dir=demo/eval --overwrite_output_dir=true",
+        "  # curves.png again, from the logs",
+        "  .venv/bin/python train.py --plot=demo",
+    ]
+    (out / "checkpoint_20").mkdir()  # with a checkpoint: as many steps again from it
+    resumed = demo_summary(history, args, 61, str(out / "checkpoint_20"), ".venv/bin/python train.py").splitlines()
+    assert resumed[7:] == [
+        "  wall time: 1 min 01 s, from checkpoint_20",
         *summary[8:],
         "  # 20 more steps, from checkpoint_20",
-        f"  python train.py --demo --resume=latest --output_dir={tmp_path} --max_steps=40",
+        "  .venv/bin/python train.py --demo --resume=latest --output_dir=demo --max_steps=40",
     ]
     from dapo_utils.evaluation import accuracy_summary
 
-    assert accuracy_summary(str(tmp_path)).endswith("step 0 0.20 / 0.35  ->  step 20 0.50 / 0.55")
+    assert accuracy_summary(str(out)).endswith("step 0 0.20 / 0.20  ->  step 20 0.61 / 0.61")
+    (out / "evaluations.jsonl").unlink()  # the seed's logs alone: strict from accuracy_losses.txt
+    assert (
+        accuracy_summary(str(out)) == "held-out accuracy (strict / lenient)  step 0 0.21 / nan  ->  step 20 0.61 / nan"
+    )
 
 
 # ---------- python train.py --eval_only ----------

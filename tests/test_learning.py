@@ -5,7 +5,9 @@ import re
 
 import torch
 
+import train
 from dapo_utils.curves import read_step_log
+from dapo_utils.options import python_command
 from dapo_utils.tiny_world import DEMO_NUM_TEST, demo_summary
 from train import main
 
@@ -34,6 +36,7 @@ def test_demo_held_out_accuracy_climbs_in_160_steps(tmp_path, capsys):
         assert len(f.read().splitlines()) == 320  # one line per micro-step, 2 per update
     printed = capsys.readouterr().out.splitlines()  # the summary: the climb, then the next steps on its folders
     assert any(line.startswith(f"  held-out accuracy  step 0 {first:.2f}  ->  step 160 {last:.2f}") for line in printed)
-    assert re.fullmatch(r"  wall time: \d+ min \d\d s, the world's warm-up included", printed[-8])
-    assert printed[-7:] == demo_summary(trainer.history, args.output_dir, 0).splitlines()[-7:]
-    assert printed[-1] == f"  python train.py --demo --resume=latest --output_dir={args.output_dir} --max_steps=320"
+    assert re.fullmatch(r"  wall time: \d+ min \d\d s, the world's construction and warm-up included", printed[-8])
+    command = python_command(train.__file__)  # the interpreter that ran: the commands run, venv activated or not
+    assert printed[-7:] == demo_summary(trainer.history, args, 0, command=command).splitlines()[-7:]
+    assert printed[-1] == f"  {command} --demo --resume=latest --output_dir={args.output_dir} --max_steps=320"

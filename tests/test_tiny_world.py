@@ -283,6 +283,49 @@ def test_plot_curves_draws_faint_raw_series_under_their_moving_average(tmp_path,
     assert by_label["loss"][0] == list(steps)  # micro-step line k belongs to step k + 1
 
 
+def test_curves_keep_equal_series_apart_and_say_so(tmp_path, monkeypatch):
+    """Strict and lenient accuracy equal at every evaluation: lenient dashed with hollow markers over strict, its label
+    saying so; three reward functions flat at about one value (closer than a line is wide): one line, labelled with
+    every name and how close they are."""
+    evaluations = [{"step": s, "eval/accuracy": a, "eval/accuracy_lenient": a} for s, a in ((0, 0.2), (10, 0.5))]
+    (tmp_path / "evaluations.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evaluations))
+    rewards = {f"rewards/{name}/mean": 0.5 for name in ("digit_reward", "hard_format_reward")}  # and mark_reward:
+    records = [
+        {"step": s, "reward": 1.5 + 0.1 * s, "rewards/correctness_reward/mean": 0.1 * s, **rewards} for s in (1, 2)
+    ]
+    records[0]["rewards/mark_reward/mean"], records[1]["rewards/mark_reward/mean"] = 0.5, 0.49  # 0.01 of a 1.6 span
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    drawn, axes, draw_accuracy, draw_series = [], [], curves.draw_accuracy, curves.draw_series
+
+    def accuracy_spy(ax, accuracy, label, color, second=False):
+        draw_accuracy(ax, accuracy, label, color, second)
+        line = ax.get_lines()[-1]
+        drawn.append((label, line.get_linestyle(), line.get_markerfacecolor(), list(line.get_ydata())))
+        axes.append(ax)
+
+    def series_spy(ax, points, label, color):
+        draw_series(ax, points, label, color)
+        drawn.append((label, list(ax.get_lines()[-1].get_ydata())))
+
+    monkeypatch.setattr(curves, "draw_accuracy", accuracy_spy)
+    monkeypatch.setattr(curves, "draw_series", series_spy)
+    curves.plot_curves(str(tmp_path))
+    assert drawn[:2] == [
+        ("strict (answer tags)", "-", curves.ACCURACY_COLOR, [0.2, 0.5]),
+        ("lenient (final answer): equal to strict at every evaluation", "--", "none", [0.2, 0.5]),
+    ]
+    assert drawn[2:] == [
+        ("total", [1.6, 1.7]),
+        ("correctness_reward", [0.1, 0.2]),
+        ("digit_reward = hard_format_reward = mark_reward (within 0.01)", [0.5, 0.5]),
+    ]
+    legend = [" ".join(t.get_text().split()) for t in axes[0].get_legend().get_texts()]  # names both (wrapped)
+    assert legend == [drawn[0][0], drawn[1][0]] and axes[0].get_title(loc="left") == "held-out accuracy (test split)"
+    apart = {"a": {1: 0.5, 2: 0.5}, "b": {1: 0.5, 2: 0.6}, "c": {}, "d": {}, "e": {1: 0.5}}  # 0.1 of a 0.1 span
+    assert curves.coinciding(apart) == apart
+    assert list(curves.coinciding({"a": {1: 0.0, 2: 1.0}, "b": {1: 0.0, 2: 1.0}})) == ["a = b (equal)"]
+
+
 def test_the_warm_up_runs_on_one_thread_and_gives_the_threads_back(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(tiny_world, "warm_up", lambda *args, **kwargs: seen.append(torch.get_num_threads()))
