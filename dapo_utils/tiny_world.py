@@ -45,6 +45,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 
 import datasets
 import torch
@@ -53,7 +54,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from dapo_utils.checkpoints import find_checkpoints
-from dapo_utils.curves import read_accuracies
+from dapo_utils.curves import read_accuracies, unevaluated_steps
 from dapo_utils.run_dir import claim_output_dir
 
 DEMO_MARKER = "demo_world.txt"  # in the output_dir the demo made: the only kind of folder a new demo clears
@@ -423,9 +424,11 @@ def demo_summary(history, output_dir, wall_seconds):
     for label, accuracy in zip(("held-out accuracy", "lenient accuracy"), read_accuracies(output_dir)):
         if accuracy:
             (first_step, first), (last_step, last) = min(accuracy.items()), max(accuracy.items())
+            change = f"  ->  step {last_step} {last:.2f}  ({last - first:+.2f})" if last_step != first_step else ""
             lines.append(
-                f"  {label:<17}  step {first_step} {first:.2f}  ->  step {last_step} {last:.2f}  ({last - first:+.2f})"
+                f"  {label:<17}  step {first_step} {first:.2f}{change}"
                 f"  [every evaluation: {' '.join(f'{accuracy[s]:.2f}' for s in sorted(accuracy))}]"
+                + unevaluated_steps(output_dir, last_step)
             )
 
     def first_and_last(key):  # (window, mean over the first and the last `window` steps that have key)
@@ -476,9 +479,19 @@ def demo_next_steps(output_dir):
 def demo_world(output_dir, system_prompt, overwrite=False, warm_up_steps=DEMO_WARM_UP_STEPS):
     """A fresh demo in output_dir, marked as the demo's (DEMO_MARKER). An earlier demo's logs and checkpoints
     there are cleared (they would mix with this one's); another run's folder is refused, unless overwrite
-    (run_dir.claim_output_dir). Then build the world there. Returns (model_dir, data_dir)."""
+    (run_dir.claim_output_dir). Then build the world there; a build that does not finish (Ctrl-C, SIGTERM, a full
+    disk) removes its folders, and the marker if it wrote it. Returns (model_dir, data_dir)."""
     marker = os.path.join(output_dir, DEMO_MARKER)
     claim_output_dir(output_dir, overwrite or os.path.exists(marker), demo=True)
-    with open(marker, "w", encoding="utf-8") as f:
-        f.write("made by `python train.py --demo`: a new demo may clear this folder\n")
-    return build_tiny_world(output_dir, system_prompt, warm_up_steps=warm_up_steps)
+    made = [] if os.path.exists(marker) else [marker]
+    try:
+        with open(marker, "w", encoding="utf-8") as f:
+            f.write("made by `python train.py --demo`: a new demo may clear this folder\n")
+        return build_tiny_world(output_dir, system_prompt, warm_up_steps=warm_up_steps)
+    except BaseException:  # Ctrl-C, SIGTERM (launch: Interrupted) or a full disk: no half-built world stays
+        for name in ("gsm8k_tiny", "tiny-qwen2"):
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+        for path in made:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        raise
