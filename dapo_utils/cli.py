@@ -29,6 +29,14 @@ from dapo_utils.data import load_split
 from dapo_utils.run_dir import LOCK_FILE
 
 
+DEBUG = "DAPO_DEBUG"  # the environment variable that does what --debug does
+
+
+def debugging(cli):
+    """--debug, or DAPO_DEBUG set to anything but 0: errors keep their traceback."""
+    return cli.debug or os.environ.get(DEBUG, "0") not in ("", "0")
+
+
 def check_arguments(args):
     """Reject bad DapoArguments up front, before anything loads, naming each field and the fix."""
     errors = []
@@ -118,6 +126,9 @@ def parse_cli(arguments_class, argv=None):
     modes.add_argument("--check_rewards", action="store_true", help="score each reference answer as a response, exit")
     modes.add_argument("--preset", choices=["seed", "paper"], default="seed", help="seed's or the paper's settings")
     modes.add_argument("--take_over_lock", action="store_true", help=f"take over {LOCK_FILE} of a run that has ended")
+    modes.add_argument(
+        "--debug", action="store_true", help=f"errors end in their traceback, not one line (or {DEBUG}=1)"
+    )
     fields = {f.name: f for f in dataclasses.fields(help_only(arguments_class))}
     for title, names in field_sections(arguments_class).items():
         group = parser.add_argument_group(title)
