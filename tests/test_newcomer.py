@@ -40,6 +40,7 @@ def test_help_shows_the_modes_first_then_the_fields_in_their_sections(monkeypatc
         "--check_rewards",
         "--preset",
         "--take_over_lock",
+        "--debug",
     ]
     sections = field_sections(DapoArguments)  # each field in the group of its section, in the class's order
     assert list(sections) == titles and sum(sections.values(), []) == [
