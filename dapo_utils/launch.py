@@ -75,7 +75,10 @@ def command(cli, given, arguments_class, build_args, build_trainer, run, rewards
             if cli.demo and checkpoint is None:
                 from dapo_utils.tiny_world import demo_world
 
-                world_paths = demo_world(args.output_dir, args.system_prompt, args.overwrite_output_dir)
+                try:
+                    world_paths = demo_world(args.output_dir, args.system_prompt, args.overwrite_output_dir)
+                except WriteFailed as error:  # a full disk
+                    fail(error, cli.debug, "free space, then run the same command again")
                 args.model_path, args.data_path = world_paths
             check_before_loading(args, len(reward_funcs))
             if checkpoint is None:  # a fresh run: an earlier run's logs and checkpoints go, or the run is refused

@@ -56,6 +56,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 from dapo_utils.checkpoints import find_checkpoints
 from dapo_utils.curves import read_accuracies, unevaluated_steps
 from dapo_utils.run_dir import claim_output_dir
+from dapo_utils.writes import writing
 
 DEMO_MARKER = "demo_world.txt"  # in the output_dir the demo made: the only kind of folder a new demo clears
 VOCAB_SIZE = 300  # the BPE stops at ~280: a prompt is ~31 tokens, Chinese phrases are single tokens
@@ -485,9 +486,10 @@ def demo_world(output_dir, system_prompt, overwrite=False, warm_up_steps=DEMO_WA
     claim_output_dir(output_dir, overwrite or os.path.exists(marker), demo=True)
     made = [] if os.path.exists(marker) else [marker]
     try:
-        with open(marker, "w", encoding="utf-8") as f:
-            f.write("made by `python train.py --demo`: a new demo may clear this folder\n")
-        return build_tiny_world(output_dir, system_prompt, warm_up_steps=warm_up_steps)
+        with writing("the demo's world to", output_dir, "; none of it is left"):  # a full disk: one line
+            with open(marker, "w", encoding="utf-8") as f:
+                f.write("made by `python train.py --demo`: a new demo may clear this folder\n")
+            return build_tiny_world(output_dir, system_prompt, warm_up_steps=warm_up_steps)
     except BaseException:  # Ctrl-C, SIGTERM (launch: Interrupted) or a full disk: no half-built world stays
         for name in ("gsm8k_tiny", "tiny-qwen2"):
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)

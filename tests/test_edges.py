@@ -375,7 +375,7 @@ def test_a_sighup_that_nohup_ignores_stays_ignored(make_trainer):
         signal.signal(signal.SIGHUP, previous)
 
 
-def test_ctrl_c_while_the_demo_builds_its_world_leaves_nothing(tmp_path, monkeypatch, capsys):
+def test_ctrl_c_or_a_full_disk_while_the_demo_builds_its_world_leaves_nothing(tmp_path, monkeypatch, capsys):
     from dapo_utils import tiny_world
 
     def interrupted_build(root, *args, **kwargs):  # the data set written, the model not yet
@@ -392,6 +392,19 @@ def test_ctrl_c_while_the_demo_builds_its_world_leaves_nothing(tmp_path, monkeyp
         "stopped by Ctrl-C while starting: nothing was trained; run the same command again"
     )
     assert os.listdir(tmp_path) == []  # output/ and output/demo were made by the run: gone with the lock
+
+    def full_disk_build(root, *args, **kwargs):
+        os.makedirs(os.path.join(root, "gsm8k_tiny", "data"))
+        raise OSError(errno.ENOSPC, NO_SPACE)
+
+    monkeypatch.setattr(tiny_world, "build_tiny_world", full_disk_build)
+    with pytest.raises(SystemExit) as raised:
+        main(["--demo", f"--output_dir={demo}"])
+    assert error_line(raised) == (
+        f"error: could not write the demo's world to {demo} ({NO_SPACE}); none of it is left; free space, then run "
+        "the same command again"
+    )
+    assert os.listdir(tmp_path) == []
 
 
 SLOW_LOAD = """
