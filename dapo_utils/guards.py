@@ -69,9 +69,9 @@ def check_rows(trainer, prompts_per_step):
     if rows < needed:
         settings = "batch_size x gradient_accumulation_steps x steps_per_generation" + " x processes" * (processes > 1)
         raise RunStopped(
-            f"the training split of {args.data_path!r} has {rows} rows, fewer than the {needed} prompts one optimizer "
-            f"step takes ({settings}): add rows, lower these settings, or, where test rows are held out of it, "
-            f"hold out fewer with --test_size (now {args.test_size})"
+            f"the training split of {args.data_path!r} has {rows} row{'s' * (rows != 1)}, fewer than the {needed} "
+            f"prompts one optimizer step takes ({settings}): add rows, lower these settings, or, where test rows "
+            f"are held out of it, hold out fewer with --test_size (now {args.test_size})"
         )
 
 

@@ -478,7 +478,7 @@ def test_small_and_malformed_data_sets_are_named_with_the_fix(world, tmp_path):
     with pytest.raises(SystemExit) as raised:
         main(run_args((world[0], str(one_left)), tmp_path / "b"))
     assert error_line(raised) == (
-        f"error: the training split of '{one_left}' has 1 rows, fewer than the 2 prompts one optimizer step takes "
+        f"error: the training split of '{one_left}' has 1 row, fewer than the 2 prompts one optimizer step takes "
         "(batch_size x gradient_accumulation_steps x steps_per_generation): add rows, lower these settings, or, "
         "where test rows are held out of it, hold out fewer with --test_size (now 100)"
     )
