@@ -20,7 +20,6 @@ import json
 import math
 import sys
 import time
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, List, Literal, Optional
@@ -38,14 +37,15 @@ from transformers import GenerationConfig
 import reward_func  # the seed's four reward functions; --reward_funcs names them
 from dapo_utils import distributed, launch
 from dapo_utils.checkpoints import deferred_interrupts, load_tokenizer, policy_model, reference_model, resume_run
-from dapo_utils.checkpoints import save_final_model, save_run_checkpoint
+from dapo_utils.checkpoints import save_final_model, save_run_checkpoint, say
 from dapo_utils.cli import check_arguments
 from dapo_utils.curves import redraw_curves
 from dapo_utils.data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_system_prompt
 from dapo_utils.distributed import rollout_share
 from dapo_utils.evaluation import evaluate_model, logged_metrics
-from dapo_utils.guards import RunStopped, check_finite, check_rounds, check_weights, starvation_advice
+from dapo_utils.guards import RunStopped, check_finite, check_rounds, check_rows, check_weights, starvation_advice
 from dapo_utils.kernels import generate_sharing_prompts, output_layer_scores, reuse_freed_memory, sampling_processors
+from dapo_utils.notices import warn
 from dapo_utils.packing import join_batches, micro_batch_groups, numbered, pack_sequences, pad_and_cat
 from dapo_utils.packing import pad_and_cat_groups, padded_sequences, trim_group, unpack
 from dapo_utils.rewards import answer_checker, load_reward_models, reward_column, reward_func_name
@@ -120,6 +120,7 @@ class DapoArguments:
     # --- data and prompt ---
     model_path: str = arg("./Qwen2.5-1.5B-Instruct", "policy: a Hugging Face folder or a .gguf file")
     data_path: str = arg("./gsm8k_chinese", "swulling/gsm8k_chinese's folder, or any local data set (docs/own-data.md)")
+    test_size: int = arg(100, "train rows held out as the test split when the data set has none", at_least=1)
     question_column: str = arg(QUESTION_COLUMN, "the data set's question column (the seed's)")
     answer_column: str = arg(ANSWER_COLUMN, "its reference answer column (the seed's)")
     answer_format: AnswerFormat = arg("number", "answers: 'number' (seed), 'gsm8k' (after ####), 'latex' (\\boxed{})")
@@ -457,11 +458,12 @@ class DapoTrainer:
         system = {"role": "system", "content": self.args.system_prompt}
         messages = [[system, {"role": "user", "content": p}] for p in prompts]
         texts = [template(m, add_generation_prompt=True, tokenize=False) for m in messages]
-        token_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template has its specials
+        # verbose=False: transformers' "longer than the maximum ... indexing errors" would warn of what is cut below
+        token_ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]  # specials: template's
         limit = self.args.max_prompt_length
         too_long = sum(len(ids) > limit for ids in token_ids)
         if too_long and not self.state.truncated_prompts:  # once per run; metrics.jsonl counts them all
-            warnings.warn(f"prompts longer than max_prompt_length={limit} tokens lose their beginning")
+            warn(f"prompts longer than max_prompt_length={limit} tokens lose their beginning")
         self.state.truncated_prompts += too_long
         batch = self.tokenizer.pad({"input_ids": [ids[-limit:] for ids in token_ids]}, return_tensors="pt")  # left
         return batch["input_ids"].to(self.args.device), batch["attention_mask"].to(self.args.device)
@@ -654,20 +656,23 @@ class DapoTrainer:
         args, state = self.args, self.state
         G, accumulation = args.num_generations, args.gradient_accumulation_steps
         groups_per_rollout = args.batch_size * accumulation * args.steps_per_generation
+        check_rows(self, groups_per_rollout)  # guards.py: a training split too small for one step, said as that
         steps = args.num_iterations * args.epoch * len(self.train_dataset) // (args.batch_size * accumulation)
         self.global_steps = min(steps, args.max_steps or steps)  # an upper bound: dynamic sampling skips groups
         if state.update_steps >= self.global_steps:  # a resume at or past max_steps
             return tqdm.write(f"already at step {state.update_steps} of {self.global_steps}: nothing to train")
         report_to = args.report_to if self.world.is_main else "none"  # rank 0 alone reports
         self.tracker = make_tracker(report_to, args.output_dir, dataclasses.asdict(args))
-        if not self.resumed:  # a resumed run evaluated before its checkpoint
-            self.evaluate_and_log()
         start_steps, self.empty_rounds = state.update_steps, 0
         calls = self.prompt_batches()  # this epoch's sampling calls
         metrics = defaultdict(list)  # what this optimizer step gathered
         bar = dict(total=self.global_steps, initial=state.update_steps, desc="DAPO", unit="step", dynamic_ncols=True)
         bar = tqdm(**bar, disable=not self.world.is_main)
         with bar as self.progress, deferred_interrupts(self), contextlib.closing(self.tracker):
+            if not self.resumed:  # a resumed run evaluated before its checkpoint
+                self.evaluate_and_log()
+                if self.world.any(self.stop_requested):  # Ctrl-C during it: checkpoint_0, resumed after it
+                    self.stop()
             while state.update_steps < self.global_steps:
                 if state.rollout is None:
                     # 1. Sample G responses per prompt, score them, drop the groups without signal (dynamic
@@ -770,7 +775,7 @@ class DapoTrainer:
     def stop(self):
         """Ctrl-C or SIGTERM (deferred_interrupts): a checkpoint of where the loop is, the command that resumes."""
         path = save_run_checkpoint(self)
-        tqdm.write(f"stopped; continue with: {distributed.launcher(self.state.world_size)} --resume={path}")
+        say(f"stopped; continue with: {distributed.launcher(self.state.world_size)} --resume={path}")
         raise KeyboardInterrupt
 
     # ---- 4.7 logging ----
@@ -833,7 +838,8 @@ class DapoTrainer:
     def save_model(self):
         state = self.world.full_model_state(self.model)  # --fsdp: gathered from every rank; else None
         if self.world.is_main:  # atomically: weights and tokenizer together (LoRA: the adapters, merge_lora's model)
-            save_final_model(self.model, self.tokenizer, self.args.output_dir, state, self.args.merge_lora)
+            args, step = self.args, self.state.update_steps  # step: whether a checkpoint holds these weights
+            save_final_model(self.model, self.tokenizer, args.output_dir, state, args.merge_lora, step)
         self.world.from_rank_0(None)  # the ranks leave together: none tears the process group down mid-write
 
 
@@ -852,17 +858,21 @@ def build_trainer(args, train=True):
     """The seed's run: policy and tokenizer from model_path, rows from data_path, the rewards of reward_funcs."""
     tokenizer = load_tokenizer(args.model_path)
     read = dict(columns=(args.question_column, args.answer_column), answer_format=args.answer_format)
+    read["test_size"] = args.test_size  # rows of train held out as test when the data set has no test split
     train_dataset = GSM8KDataset(args.data_path, tokenizer, "train", **read) if train else None  # --eval_only: none
     eval_dataset = GSM8KDataset(args.data_path, tokenizer, "test", **read)
     reward_funcs = reward_functions(args, reward_func, trial=eval_dataset)  # each tried on two rows before loading
     return DapoTrainer(args.model_path, reward_funcs, args, train_dataset, eval_dataset, tokenizer)
 
 
-def run(args, checkpoint=None):
-    """The seed's entry point: a trainer built from args (resumed from a checkpoint), trained, its model saved."""
+def run(args, checkpoint=None, on_start=None):
+    """The seed's entry point: a trainer built from args (resumed from a checkpoint), trained, its model saved.
+    on_start(trainer): once it has loaded, before it samples (launch writes output_dir/dapo_args.json)."""
     trainer = build_trainer(args)
     if checkpoint:
         resume_run(trainer, checkpoint)
+    if on_start:
+        on_start(trainer)
     trainer.train()
     trainer.save_model()
     return trainer

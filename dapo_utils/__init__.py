@@ -5,14 +5,14 @@ Floors, top to bottom: a module imports only modules on lower floors (tests/test
 plan, and to every module being in it). Optional extras (vLLM, peft, math-verify) are imported only where used.
 
     floor  module        what it holds
-    7      launch        what `python train.py` does around a run: its modes, the output folder's lock, the summary
+    7      launch        what `python train.py` does around a run: its modes, the lock, one line for each way it ends
     6      cli           command line: parsed into fields and modes, the settings of --demo / --resume, the checks
     6      evaluation    strict and lenient accuracy, pass@k / maj@k, --eval_only and --compare, the run's summary
     5      tiny_world    the offline world of --demo and the tests: data set, tokenizer, a warmed-up 2-layer Qwen2
-    4      guards        a diverged or starved run stopped in one line
+    4      guards        a diverged or starved run, or a data set too small for a step, stopped in one line
     4      record        output_dir/dapo_args.json at a run's start: settings, rewards, command, versions, commit
     4      run_dir       the output folder a run holds (its lock) and a fresh run claims
-    3      checkpoints   loading the policy; checkpoints that resume exactly; the final save; Ctrl-C and SIGTERM
+    3      checkpoints   loading the policy; checkpoints that resume exactly; the final save; Ctrl-C, SIGTERM, SIGHUP
     3      rewards       --reward_funcs resolved, reward models, one function's scores checked, --check_rewards
     2      curves        curves.png and the readers of a run's logs
     2      data          any local data set's question / answer rows, answer formats, the system prompt
@@ -24,6 +24,7 @@ plan, and to every module being in it). Optional extras (vLLM, peft, math-verify
     1      distributed   torchrun / accelerate launch: the collectives (no-ops in one process)
     1      kernels       the sampler, one prompt pass per group, log-probs from the hidden states
     1      lora          --lora_r: LoRA adapters through peft (optional extra)
+    1      notices       the project's warnings, one line each (DapoWarning)
     1      options       the options and --help (read from train.py's text, before torch loads); commands to print
     1      time_limits   time limits for code that may hang (a reward function, a math-verify check)
     1      trackers      one metrics record per step; TensorBoard, W&B, Trackio

@@ -1,6 +1,7 @@
-"""Models and checkpoints: load a policy (folder or .gguf); save, find, check (sha256 of each file) and load
-checkpoints that resume a run exactly, cutting the logs back to the checkpoint's step; the final model saved
-atomically; writes that fail (a full disk) in one line; Ctrl-C and SIGTERM that stop with a checkpoint."""
+"""Models and checkpoints: load a policy (folder or .gguf); save, find, check (sha256 of each file but the editable
+dapo_args.json) and load checkpoints that resume a run exactly, cutting the logs back to the checkpoint's step;
+the final model saved atomically; writes that fail (a full disk) in one line, with the checkpoint to resume;
+Ctrl-C, SIGTERM and SIGHUP that stop with a checkpoint, or, before training, at once with the clean-ups run."""
 
 import contextlib
 import copy
@@ -25,15 +26,20 @@ from dapo_utils.writes import WRITE_ERRORS, WriteFailed, why, writing
 
 TRAINER_STATE = "trainer_state.pt"  # in the newest checkpoint: optimizer, scheduler, loop state, RNG
 ARGS_FILE = "dapo_args.json"  # in each checkpoint: the DapoArguments used
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; SIGTERM: what SLURM and Kubernetes send before a kill
-CHECKSUMS = "checksums.json"  # in each checkpoint: {file: sha256}, checked on resume (a flipped bit reads back)
+# Ctrl-C; SIGTERM: what SLURM and Kubernetes send before a kill; SIGHUP: a closed terminal or ssh session
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# In each checkpoint: {file: sha256} of every file but ARGS_FILE, checked on resume (a flipped bit reads back).
+# dapo_args.json is the file a user reads and may edit: its keys and types are checked (checkpoint_arguments), and
+# the step settings it may not change are checked against the trainer state's own copy (resume).
+CHECKSUMS = "checksums.json"
 # in output_dir
 LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl", "evaluations.jsonl")
 # What one optimizer step is made of: changing one of these on resume would silently change the run.
 STEP_SETTINGS = ("num_generations", "batch_size", "gradient_accumulation_steps", "steps_per_generation")
-STEP_SETTINGS += ("num_iterations", "loss_agg_mode", "filter_metric", "seed", "use_vllm")
+STEP_SETTINGS += ("num_iterations", "loss_agg_mode", "filter_metric", "seed", "use_vllm", "test_size")
 STEP_SETTINGS += ("lora_r", "lora_alpha", "lora_target_modules")  # the adapters' shapes and scale
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: the folder holds LoRA adapters (lora.py), not a whole model
+PATH_FIELDS = ("model_path", "data_path", "output_dir")  # saved absolute in dapo_args.json
 
 
 def load_causal_lm(path):
@@ -116,6 +122,7 @@ def save_checkpoint(trainer, model_state=None, optimizer_state=None):
         optimizer_state = trainer.optimizer.state_dict() if optimizer_state is None else optimizer_state
         state = {"optimizer": optimizer_state, "scheduler": trainer.scheduler.state_dict()}
         state.update(loop=trainer.state.state_dict(), rng=torch.get_rng_state(), cuda_rng=cuda_rng)
+        state["step_settings"] = {k: getattr(args, k) for k in STEP_SETTINGS}  # what dapo_args.json may not change
         torch.save(state, os.path.join(tmp, TRAINER_STATE))
         with open(os.path.join(tmp, ARGS_FILE), "w", encoding="utf-8") as f:
             json.dump(saved_arguments(args), f, indent=2)
@@ -127,9 +134,7 @@ def save_checkpoint(trainer, model_state=None, optimizer_state=None):
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C while writing: no half checkpoint stays
             raise
-        previous = [s for s in find_checkpoints(args.output_dir) if s != step]
-        intact = f"checkpoint_{max(previous)} is intact" if previous else "no earlier checkpoint exists"
-        raise WriteFailed(f"could not write checkpoint_{step} (disk full?): {why(error)}; {intact}") from error
+        raise WriteFailed(f"could not write checkpoint_{step} (disk full?): {why(error)}") from error
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     # Only the newest checkpoint keeps the trainer state (a 1.5B model's Adam states are 12 GB).
@@ -144,8 +149,8 @@ def save_checkpoint(trainer, model_state=None, optimizer_state=None):
 
 def saved_arguments(args):
     """A checkpoint's dapo_args.json: every field as resolved, the paths absolute (a resumed run may start in another
-    working directory). output_dir/dapo_args.json holds the same and more (record.py)."""
-    return dataclasses.asdict(args) | {k: os.path.abspath(getattr(args, k)) for k in ("model_path", "data_path")}
+    working directory, or find a moved run's folders). output_dir/dapo_args.json holds the same and more (record.py)."""
+    return dataclasses.asdict(args) | {k: os.path.abspath(getattr(args, k)) for k in PATH_FIELDS}
 
 
 def checkpoint_arguments(checkpoint, arguments_class):
@@ -166,7 +171,31 @@ def checkpoint_arguments(checkpoint, arguments_class):
             kind = field.type.__name__ if isinstance(field.type, type) else str(field.type).replace("typing.", "")
             raise ValueError(f"{path}: {key} = {value!r} is not of its type ({kind}): correct or remove it")
     saved.pop("device", None)
-    return saved | {"output_dir": os.path.dirname(os.path.abspath(checkpoint))}
+    output_dir = os.path.dirname(os.path.abspath(checkpoint))
+    for key in PATH_FIELDS[:2]:  # a run folder moved with its model or data inside: where they are now
+        if key in saved and saved.get("output_dir"):
+            moved = moved_path(saved[key], saved["output_dir"], output_dir)
+            if moved != saved[key]:
+                print(f"{key} {saved[key]!r} is gone: using {moved!r}, at its place in the moved run folder")
+            saved[key] = moved
+    return saved | {"output_dir": output_dir}
+
+
+def moved_path(path, old_output_dir, output_dir):
+    """Where a checkpoint's path (model_path, data_path) that no longer exists lies now that its run folder moved
+    from old_output_dir to output_dir: at the same place inside it. The path itself when it exists, lies outside
+    the run folder, or is not in the moved one either. An old_output_dir saved relative (before this version
+    saved it absolute) is found inside the absolute path."""
+    if os.path.exists(path):
+        return path
+    old = os.path.normpath(old_output_dir)
+    if os.path.isabs(old):
+        inside = os.path.relpath(path, old)
+    else:  # relative to the working directory the run started in: look for it in the path
+        marker = os.sep + old + os.sep
+        inside = path.rsplit(marker, 1)[1] if marker in path and old != os.curdir else os.pardir
+    candidate = os.path.normpath(os.path.join(output_dir, inside))
+    return candidate if not inside.startswith(os.pardir) and os.path.exists(candidate) else path
 
 
 def fits(value, kind):
@@ -189,19 +218,23 @@ def resume(trainer, checkpoint, cut_logs=True):
     """Continue from a checkpoint: weights, optimizer, scheduler, loop position and RNG. Optimizer settings
     given anew (lr, weight_decay, warmup_steps, max_grad_norm) apply from here on; a changed STEP_SETTINGS
     field is refused. Only then are the logs cut back to the checkpoint's step, so that no line repeats."""
-    args = trainer.args
-    with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as f:
-        saved_args = json.load(f)
-    changed = [
-        f"{k} ({saved_args.get(k)!r} -> {getattr(args, k)!r})"
-        for k in STEP_SETTINGS
-        if saved_args.get(k, getattr(type(args), k)) != getattr(args, k)  # a field newer than the checkpoint: default
-    ]
-    if changed:
-        raise ValueError(f"cannot resume {checkpoint} with other step settings: {', '.join(changed)}; start a new run")
-    world = trainer.world  # --fsdp: full states in CPU memory, each rank keeps its shard
+    args, world = trainer.args, trainer.world  # --fsdp: full states in CPU memory, each rank keeps its shard
     device = "cpu" if world.fsdp else args.device
     saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location=device, weights_only=True)
+    written = saved.get("step_settings")  # as the run had them, whatever an edit of dapo_args.json says
+    if written is None:  # a checkpoint of an earlier version: its arguments file
+        with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as f:
+            written = json.load(f)
+    changed = [
+        f"{k} ({written.get(k)!r} -> {getattr(args, k)!r})"
+        for k in STEP_SETTINGS
+        if written.get(k, getattr(type(args), k)) != getattr(args, k)  # a field newer than the checkpoint: default
+    ]
+    if changed:
+        raise ValueError(
+            f"cannot resume {checkpoint} with other step settings: {', '.join(changed)} (given on the command line "
+            f"or edited in its {ARGS_FILE}); put them back, or start a new run"
+        )
     if args.lora_r:  # the adapters; the frozen base is model_path's
         from dapo_utils.lora import load_adapters
 
@@ -278,7 +311,8 @@ def resume_run(trainer, checkpoint):
 
 def cut_log(path, keep):
     """Rewrite a log keeping the lines for which keep(line) holds (atomically: tmp file + rename). A line
-    that does not parse, the last one of a run that died mid-write, is dropped."""
+    that does not parse, the last one of a run that died mid-write, is dropped. A failed write (a full disk:
+    WriteFailed) or an interruption leaves the log as it was and no tmp file."""
     if not os.path.exists(path):
         return
     with open(path, encoding="utf-8") as f:
@@ -288,9 +322,15 @@ def cut_log(path, keep):
         with contextlib.suppress(ValueError, IndexError):
             if keep(line):
                 kept.append(line if line.endswith("\n") else line + "\n")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+    try:
+        with writing("the log cut back to the checkpoint's step", path + ".tmp", f"; {path} is as it was"):
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(path + ".tmp", path)
+    except BaseException:  # a full disk, Ctrl-C
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + ".tmp")
+        raise
 
 
 def find_checkpoints(output_dir):
@@ -313,6 +353,8 @@ def find_checkpoint(resume, output_dir):
     if not os.path.isfile(os.path.join(resume, ARGS_FILE)):
         raise ValueError(f"{resume!r} is not a checkpoint folder (no {ARGS_FILE} in it)")
     damage = checkpoint_damage(resume)
+    if damage.startswith(os.path.join(resume, ARGS_FILE)):  # not JSON: a hand edit that went wrong?
+        raise ValueError(f"{damage}: correct it")
     if damage:
         raise ValueError(f"{damage}; {intact_checkpoint(os.path.dirname(resume) or '.')}")
     return resume
@@ -322,7 +364,8 @@ def checkpoint_damage(folder, needs=(ARGS_FILE, TRAINER_STATE), checksums=True):
     """'' when a checkpoint reads back, else its first missing or damaged file in words (needs: the files besides
     the weights; () for a model folder). Cheap, no tensor loaded: each weights file's safetensors header, whose
     offsets must cover the file's size; the trainer state's zip index (torch.save writes a zip whose index is at
-    its end); the arguments' JSON. With checksums, also each file's sha256 in checksums.json (a flipped bit)."""
+    its end); the arguments' JSON. With checksums, also the sha256 in checksums.json of each of these files but
+    the arguments (a flipped bit)."""
     weights = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors")) or ["model.safetensors"]
     for name in [*weights, *needs]:
         path = os.path.join(folder, name)
@@ -339,7 +382,7 @@ def checkpoint_damage(folder, needs=(ARGS_FILE, TRAINER_STATE), checksums=True):
                     json.load(f)
         except Exception as error:  # noqa: BLE001 - SafetensorError, BadZipFile, JSONDecodeError, OSError
             return f"{path} is damaged ({error})"
-    return checksum_damage(folder) if checksums else ""
+    return checksum_damage(folder, [*weights, *needs]) if checksums else ""
 
 
 def file_sha256(path):
@@ -348,15 +391,16 @@ def file_sha256(path):
 
 
 def write_checksums(folder):
-    """folder/checksums.json: the sha256 of each file in folder."""
-    names = sorted(name for name in os.listdir(folder) if name != CHECKSUMS)
+    """folder/checksums.json: the sha256 of each file in folder but the arguments (the file a user may edit)."""
+    names = sorted(name for name in os.listdir(folder) if name not in (CHECKSUMS, ARGS_FILE))
     with open(os.path.join(folder, CHECKSUMS), "w", encoding="utf-8") as f:
         json.dump({name: file_sha256(os.path.join(folder, name)) for name in names}, f, indent=2)
 
 
-def checksum_damage(folder):
-    """'' when each file that checksums.json lists and folder still holds has its sha256 (an older checkpoint's
-    trainer state is gone on purpose; a checkpoint written before checksums has none to check)."""
+def checksum_damage(folder, names):
+    """'' when each of names that checksums.json lists (an older checkpoint's trainer state is gone on purpose; the
+    arguments are not checked, though a checkpoint of an earlier version lists them) has its sha256; a checkpoint
+    written before checksums has none to check."""
     path = os.path.join(folder, CHECKSUMS)
     if not os.path.isfile(path):
         return ""
@@ -365,52 +409,58 @@ def checksum_damage(folder):
             expected = dict(json.load(f))
     except (OSError, ValueError, TypeError) as error:
         return f"{path} is damaged ({error})"
-    for name, digest in expected.items():
+    for name in [name for name in names if name in expected and name != ARGS_FILE]:
         file = os.path.join(folder, name)
-        if os.path.isfile(file) and file_sha256(file) != digest:
+        if file_sha256(file) != expected[name]:
             return f"{file} is damaged (its sha256 is not the one in {CHECKSUMS}: changed since it was written)"
     return ""
 
 
 def intact_checkpoint(output_dir):
-    """What --resume can use after a damaged checkpoint: the newest one that reads back, else the newest
-    weights that do (a new run can start from them)."""
+    """What to use after a damaged checkpoint: the newest checkpoint that resumes (--resume), and, when newer
+    weights read back (a checkpoint whose trainer state alone is hurt), those to start a new run from
+    (--model_path)."""
     steps = sorted(find_checkpoints(output_dir), reverse=True)
-    for step in steps:
-        if not checkpoint_damage(checkpoint_path(output_dir, step)):
-            return f"the newest intact checkpoint: --resume={checkpoint_path(output_dir, step)}"
-    for step in steps:
-        if not checkpoint_damage(checkpoint_path(output_dir, step), needs=(ARGS_FILE,)):
-            weights = checkpoint_path(output_dir, step)
-            return (
-                f"no intact checkpoint keeps a trainer state; start a new run from its weights: --model_path={weights}"
-            )
-    return "no intact checkpoint is left: start a new run"
+    intact = lambda step, needs: not checkpoint_damage(checkpoint_path(output_dir, step), needs)  # noqa: E731
+    weights = next((step for step in steps if intact(step, ())), None)
+    if weights is None:
+        return "no intact checkpoint is left: start a new run"
+    resumable = next((step for step in steps if intact(step, (ARGS_FILE, TRAINER_STATE))), None)
+    start = (
+        f"start a new run from the weights of checkpoint_{weights}: --model_path={checkpoint_path(output_dir, weights)}"
+    )
+    if resumable is None:
+        return f"no intact checkpoint keeps a trainer state; {start}"
+    newest = f"the newest intact checkpoint: --resume={checkpoint_path(output_dir, resumable)}"
+    return newest if resumable == weights else f"{start}; or continue from {newest}"
 
 
 # ---- the final model, signals ----
-def save_final_model(model, tokenizer, output_dir, state_dict=None, merge_lora=False):
+def save_final_model(model, tokenizer, output_dir, state_dict=None, merge_lora=False, step=None):
     """The finished run's model and tokenizer in output_dir, atomically: written to output_dir/final_model.tmp,
-    then moved in with Ctrl-C and SIGTERM held back for the moves (milliseconds), and only then are the weights
-    files of an earlier model that the new one does not have removed. A failure (a full disk) or Ctrl-C while
-    writing leaves output_dir's earlier files as they were. With LoRA the model is the adapter folder and, with
-    merge_lora, output_dir/merged the base with the adapters merged in, a model that from_pretrained loads alone."""
+    then moved in with Ctrl-C, SIGTERM and SIGHUP held back for the moves (milliseconds), and only then are the
+    weights files of an earlier model that the new one does not have removed. A failure (a full disk: WriteFailed,
+    saying whether a checkpoint holds this run's weights of `step`, the step it reached) or a stop signal
+    (Interrupted) while writing leaves output_dir's earlier files as they were. With LoRA the model is the
+    adapter folder and, with merge_lora, output_dir/merged the base with the adapters merged in, a model that
+    from_pretrained loads alone."""
     tmp, intact = os.path.join(output_dir, "final_model.tmp"), f"; {output_dir} keeps its earlier files"
-    newest = find_checkpoints(output_dir)
-    intact += f", and checkpoint_{max(newest)} this run's weights" if newest else ""
+    newest = newest_checkpoint(output_dir)
+    if newest is None:
+        lost = "; no checkpoint holds this run's weights: they are lost"
+    else:
+        lost = f"; the weights of step {step} are in no checkpoint" if step not in (None, newest) else ""
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with writing("the final model to", tmp, intact), sigterm_as_ctrl_c():
+        with writing("the final model to", tmp, intact + lost), stop_signals_raise(FINAL_SAVE + intact + lost):
             model.save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
             if merge_lora:
                 from dapo_utils.lora import MERGED_DIR, save_merged
 
                 save_merged(model, tokenizer, os.path.join(tmp, MERGED_DIR))
-    except BaseException as error:  # a full disk, Ctrl-C, SIGTERM: nothing in output_dir has changed
+    except BaseException:  # a full disk, Ctrl-C, SIGTERM: nothing in output_dir has changed
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(error, KeyboardInterrupt):
-            print(f"stopped while writing the final model{intact}")
         raise
     held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
@@ -427,38 +477,93 @@ def save_final_model(model, tokenizer, output_dir, state_dict=None, merge_lora=F
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
+def newest_checkpoint(output_dir):
+    """The step of the newest checkpoint in output_dir that reads back (header checks: milliseconds), None when
+    none does. Checkpoints are renamed into place whole, so this is the one to resume."""
+    steps = sorted(find_checkpoints(output_dir), reverse=True)
+    return next((s for s in steps if not checkpoint_damage(checkpoint_path(output_dir, s), checksums=False)), None)
+
+
+def resume_advice(output_dir, fix="", launcher="python train.py"):
+    """After a run stopped: the newest checkpoint that resumes and the command that continues from it once `fix`
+    (e.g. "free space") is done, or that there is none."""
+    then, newest = f"{fix}, then " if fix else "", newest_checkpoint(output_dir)
+    if newest is None:
+        return f"there is no checkpoint to resume: {then}start the run again"
+    command = f"{launcher} --resume={checkpoint_path(output_dir, newest)}"
+    return f"the newest checkpoint is checkpoint_{newest} (step {newest}): {then}continue with {command}"
+
+
+STARTING = "while starting"  # Interrupted's phase before training: nothing trained, nothing to resume
+FINAL_SAVE = "while writing the final model"
+AT_ONCE = "again, at once, without a checkpoint of this step"  # deferred_interrupts' second signal
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, SIGTERM or SIGHUP (signum), raised where the program stands so that the clean-up of each block it
+    leaves runs (the lock, temporary folders). phase: what the run was doing, in words (STARTING, FINAL_SAVE, ...):
+    launch.main's one line says it."""
+
+    def __init__(self, signum, phase):
+        super().__init__(signum, phase)
+        self.signum, self.phase = signum, phase
+
+    @property
+    def name(self):
+        return signal_name(self.signum)
+
+
+def signal_name(signum):
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
 @contextlib.contextmanager
-def sigterm_as_ctrl_c():
-    """SIGTERM raises KeyboardInterrupt in the block, as Ctrl-C does, so that its clean-up runs."""
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+def stop_signals_raise(phase):
+    """In the block, Ctrl-C, SIGTERM and SIGHUP raise Interrupted(signum, phase), as Ctrl-C raises KeyboardInterrupt,
+    so that every clean-up on the way out runs: without it SIGTERM and SIGHUP end the process at once."""
+
+    def interrupt(signum, frame):
+        raise Interrupted(signum, phase)
+
+    with stop_signal_handler(interrupt):
+        yield
+
+
+@contextlib.contextmanager
+def stop_signal_handler(handler):
+    """handler for Ctrl-C, SIGTERM and SIGHUP in the block, the previous handlers back after it. A SIGHUP that is
+    ignored (nohup: the run is to outlive its terminal) stays ignored. Nothing outside the main thread, which alone
+    gets signals."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    ignored = {signal.SIGHUP} if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else set()
+    previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS if number not in ignored}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for number, old in previous.items():
+            signal.signal(number, old)
+
+
+def say(line):
+    """Print a line above the progress bar; a terminal that is gone (SIGHUP: a closed ssh session) is no error."""
+    with contextlib.suppress(OSError):
+        tqdm.write(line)
 
 
 @contextlib.contextmanager
 def deferred_interrupts(trainer):
-    """First Ctrl-C or SIGTERM: the trainer finishes its optimizer step (or its sampling round), saves a
+    """First Ctrl-C, SIGTERM or SIGHUP: the trainer finishes its optimizer step (or its sampling round), saves a
     checkpoint and stops (it reads trainer.stop_requested at each step end and between sampling rounds).
-    Second: stop at once."""
+    Second: stop at once (Interrupted, phase AT_ONCE)."""
 
     def request_stop(signum, frame):
         if trainer.stop_requested:
-            raise KeyboardInterrupt
+            raise Interrupted(signum, AT_ONCE)
         trainer.stop_requested = True
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        tqdm.write(f"{name}: stopping after this step with a checkpoint ({name} again: stop now, no checkpoint)")
+        name = signal_name(signum)
+        say(f"{name}: stopping after this step with a checkpoint ({name} again: stop now, no checkpoint)")
 
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+    with stop_signal_handler(request_stop):
         yield
-        return
-    previous = {number: signal.signal(number, request_stop) for number in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)

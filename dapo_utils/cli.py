@@ -28,6 +28,14 @@ from dapo_utils.options import Field, print_help, python_command, sections_of
 from dapo_utils.options import parser as options_parser
 
 
+DEBUG = "DAPO_DEBUG"  # the environment variable that does what --debug does
+
+
+def debugging(cli):
+    """--debug, or DAPO_DEBUG set to anything but 0: errors keep their traceback."""
+    return cli.debug or os.environ.get(DEBUG, "0") not in ("", "0")
+
+
 def check_arguments(args):
     """Reject bad DapoArguments up front, before anything loads, naming each field and the fix."""
     errors = []

@@ -24,8 +24,8 @@ import json
 import os
 import sys
 import textwrap
-import warnings
 
+from dapo_utils.notices import warn
 from dapo_utils.writes import WriteFailed, writing
 
 ACCURACY_COLOR = "tab:red"
@@ -82,6 +82,14 @@ def read_jsonl(path):
     return records
 
 
+def unevaluated_steps(output_dir, last_evaluated):
+    """'' when the run's last step (metrics.jsonl) was evaluated, else what says it was not."""
+    steps = [record["step"] for record in read_jsonl(os.path.join(output_dir, "metrics.jsonl"))]
+    if not steps or max(steps) <= last_evaluated:
+        return ""
+    return f"  (the last evaluated step, of {max(steps)} trained: it evaluates every --eval_steps steps)"
+
+
 def read_metrics(path):
     """metrics.jsonl records, the last one for each step (a later run's replaces an earlier run's)."""
     records = {record["step"]: record for record in read_jsonl(path)}
@@ -124,7 +132,7 @@ def redraw_curves(output_dir):
     except WriteFailed:
         raise
     except Exception as error:  # noqa: BLE001
-        warnings.warn(f"could not draw curves.png: {error!r}")
+        warn(f"could not draw curves.png: {error!r}")
 
 
 def plot_command(output_dir):

@@ -16,14 +16,17 @@ Rows with a null or empty question, or an answer that is null, NaN, empty or unr
 refused in one line naming the split, the column and the rows.
 """
 
+import contextlib
+import csv
+import json
 import math
 import os
-import warnings
 
 import datasets
 from torch.utils.data import Dataset
 
 from dapo_utils.answers import normalize_answer, parse_number
+from dapo_utils.notices import warn
 
 QUESTION_COLUMN = "question_zh-cn"  # the seed's: swulling/gsm8k_chinese's Chinese problem text
 ANSWER_COLUMN = "answer_only"  # the seed's: the final number, e.g. 72
@@ -100,16 +103,26 @@ def load_split(data_path, split, test_size, columns, answer_format="number"):
     problems = bad_rows(rows[columns[0]], rows[columns[1]], columns, answer_format)
     if problems:
         raise ValueError(f"{where} {problems}")
+    if held_out and len(rows) <= test_size:
+        raise ValueError(
+            f"{where} has {len(rows)} rows and the data set no test split: holding out test_size={test_size} rows "
+            "as the test split would leave none to train on; give it a test split (a folder holding train.jsonl "
+            "and test.jsonl, or train-*.parquet and test-*.parquet), or hold out fewer rows with --test_size=N"
+        )
     return rows.train_test_split(test_size=test_size, seed=0)[split] if held_out else rows
 
 
 def read_data_set(data_path, split):
-    """{split: rows} of a folder or file (the module docstring's layouts)."""
+    """{split: rows} of a folder or file (the module docstring's layouts). A JSON-lines or CSV file with a line
+    that does not read is named with the line (malformed_line)."""
     if os.path.isfile(data_path):
         builder = FILE_BUILDERS.get(os.path.splitext(data_path)[1].lower())
         if builder is None:
             raise ValueError(f"cannot read {data_path!r}: give a {'/'.join(FILE_BUILDERS)} file or a folder")
-        return datasets.load_dataset(builder, data_files={"train": data_path})
+        try:
+            return datasets.load_dataset(builder, data_files={"train": data_path})
+        except Exception as error:  # datasets wraps pyarrow's and pandas' errors, which name no file
+            raise ValueError(unreadable([data_path], error)) from error
     if any(os.path.exists(os.path.join(data_path, n)) for n in ("dataset_dict.json", "state.json")):  # save_to_disk
         data = datasets.load_from_disk(data_path)
         return {"train": data} if isinstance(data, datasets.Dataset) else data
@@ -148,13 +161,11 @@ def load_splits_apart(data_path, split, error):
         files = builder.config.data_files
         data = {name: datasets.load_dataset(builder.name, data_files={name: files[name]}, split=name) for name in files}
     except Exception:  # noqa: BLE001 - the first error is the one to report
-        cause = f"{error.__cause__ or error} (an empty or damaged file?)"
-        raise ValueError(f"cannot read the data set in {data_path!r}: {cause}") from error
+        files = [os.path.join(folder, name) for folder, _, names in os.walk(data_path) for name in sorted(names)]
+        raise ValueError(unreadable(files, error, data_path)) from error
     if split in data and split != "train" and "train" in data:
         differ = column_differences(data[split].features, data["train"].features)
-        warnings.warn(
-            f"split {split!r} of {data_path!r} differs from 'train': {differ} (each split is read on its own)"
-        )
+        warn(f"split {split!r} of {data_path!r} differs from 'train': {differ} (each split is read on its own)")
     return data
 
 
@@ -167,3 +178,44 @@ def column_differences(features, train_features):
     ]
     differ += [f"{c} is only there" for c in features if c not in train_features]
     return "; ".join(differ + [f"{c} is only in train" for c in train_features if c not in features])
+
+
+def unreadable(files, error, data_path=None):
+    """The line for a data set that does not read: the first of its JSON-lines or CSV files with a line that does
+    not (malformed_line), else the reader's own words."""
+    for path in files:
+        line = malformed_line(path)
+        if line:
+            return f"cannot read {path}: {line}: fix or remove that line"
+    where = f"the data set in {data_path!r}" if data_path else repr(files[0])
+    cause = str(error.__cause__ or error).strip().splitlines()[0]
+    return f"cannot read {where}: {cause} (an empty or damaged file?)"
+
+
+def malformed_line(path):
+    """'' when each line of a JSON-lines (.jsonl, or .json that is not one JSON value) or CSV file reads, else the
+    first one that does not, in words: `line 3 (numbered from 1, as in an editor) is not a JSON object (...)`,
+    `line 4 has 3 fields, the header 2`. Other files: ''."""
+    kind = os.path.splitext(path)[1].lower()
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        if kind == ".csv":
+            rows = [(i, row) for i, row in enumerate(csv.reader(f), 1) if row]
+            width = len(rows[0][1]) if rows else 0
+            bad = next(((i, len(row)) for i, row in rows if len(row) != width), None)
+            return f"line {bad[0]} has {bad[1]} fields, the header {width}" if bad else ""
+        if kind not in (".json", ".jsonl"):
+            return ""
+        text = f.read()
+    if kind == ".json":
+        with contextlib.suppress(ValueError):
+            json.loads(text)
+            return ""  # one JSON value (a list of rows): datasets' error is about its content, not a line
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                return f"line {number} is not a JSON object ({error.msg}, at column {error.colno})"
+            if not isinstance(row, dict):
+                return f"line {number} is not a JSON object ({type(row).__name__})"
+    return ""

@@ -35,7 +35,7 @@ from transformers import LogitsProcessorList
 
 from dapo_utils.answers import NUMBER_CHECKER, STRICT_FORMAT_REGEX, normalize_answer
 from dapo_utils.checkpoints import non_finite_weights
-from dapo_utils.curves import read_accuracies
+from dapo_utils.curves import read_accuracies, unevaluated_steps
 from dapo_utils.rewards import example_records
 from dapo_utils.writes import WriteFailed, writing
 
@@ -141,13 +141,16 @@ def logged_metrics(metrics):
 
 
 def accuracy_summary(output_dir):
-    """One line: strict and lenient accuracy at the first and the last evaluation of the run in output_dir."""
+    """One line: strict and lenient accuracy at the first and the last evaluation of the run in output_dir, saying
+    which step was the last evaluated when the run trained past it."""
     strict, lenient = read_accuracies(output_dir)
     if not strict:
         return "no evaluation yet"
     first, last = min(strict), max(strict)
     both = lambda step: f"{strict[step]:.2f} / {lenient.get(step, math.nan):.2f}"  # noqa: E731
-    return f"held-out accuracy (strict / lenient)  step {first} {both(first)}  ->  step {last} {both(last)}"
+    line = f"held-out accuracy (strict / lenient)  step {first} {both(first)}"
+    line += f"  ->  step {last} {both(last)}" if last != first else ""
+    return line + unevaluated_steps(output_dir, last)
 
 
 # ============================================================

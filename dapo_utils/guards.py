@@ -5,12 +5,13 @@ causes and the last good checkpoint (train.main prints it: RunStopped):
                  weights, caught before a checkpoint does (check_finite, check_weights)
     starvation   max_empty_rounds sampling rounds in a row that keep no group (check_rounds), with the causes
                  the rounds show: a near-zero temperature, rewards all equal or None, identical responses
+    too few rows a training split that cannot fill one optimizer step, said before training (check_rows)
 """
 
 import math
-import warnings
 
 from dapo_utils.checkpoints import checkpoint_path, find_checkpoints, non_finite_weights
+from dapo_utils.notices import warn
 
 EMPTY_ROUNDS_WARNING = 20  # sampling rounds in a row without a valid group before a warning
 NEAR_ZERO_TEMPERATURE = 0.1  # below this a group's G responses are mostly one response
@@ -60,13 +61,27 @@ def starvation_advice(args):
     return f"{rule}; check the reward functions, use an easier data set or a stronger model, or filter_metric='none'"
 
 
+def check_rows(trainer, prompts_per_step):
+    """Before training: each epoch's rows fill at least one optimizer step of prompts_per_step prompts (per
+    process), else no step could ever be taken (the buffer lives one epoch) whatever the filter keeps."""
+    args, rows, processes = trainer.args, len(trainer.train_dataset), trainer.world.size
+    needed = prompts_per_step * processes
+    if rows < needed:
+        settings = "batch_size x gradient_accumulation_steps x steps_per_generation" + " x processes" * (processes > 1)
+        raise RunStopped(
+            f"the training split of {args.data_path!r} has {rows} row{'s' * (rows != 1)}, fewer than the {needed} "
+            f"prompts one optimizer step takes ({settings}): add rows, lower these settings, or, where test rows "
+            f"are held out of it, hold out fewer with --test_size (now {args.test_size})"
+        )
+
+
 def check_rounds(trainer, metrics):
     """Dynamic sampling that keeps too few groups: warn after EMPTY_ROUNDS_WARNING rounds in a row that kept
     none; stop after max_empty_rounds such rounds, naming what the rounds' metrics show; give up after
     max_num_gen_batches rounds for one step. Each says the rule and the fix."""
     args, state, empty = trainer.args, trainer.state, trainer.empty_rounds
     if empty == EMPTY_ROUNDS_WARNING:
-        warnings.warn(f"the last {empty} sampling rounds kept no group: {starvation_advice(args)}")
+        warn(f"the last {empty} sampling rounds kept no group: {starvation_advice(args)}")
     if args.max_empty_rounds and empty >= args.max_empty_rounds:
         seen = starvation_causes(args, metrics, groups=empty * args.batch_size)
         raise RunStopped(

@@ -2,8 +2,14 @@
 output folder it holds while it writes there, the checks before anything loads, and the summary at the end. The
 run itself is train.py's `run` (the seed's entry point: build the trainer, train, save the model); train.py's
 `main` hands this module its pieces, so that the package never imports the script.
+
+However the command ends, it ends in one line (--debug or DAPO_DEBUG=1: the traceback instead): a refused setting,
+a diverged run, a full disk or a user's reward function that fails (with the checkpoint to continue from), and
+Ctrl-C, SIGTERM or SIGHUP before training (exit status 128 + the signal's number, the lock released). The project's
+warnings print as one line each (notices.py).
 """
 
+import errno
 import inspect
 import os
 import shlex
@@ -11,15 +17,19 @@ import sys
 import time
 
 from dapo_utils import distributed
-from dapo_utils.writes import WriteFailed
-from dapo_utils.cli import check_before_loading, check_eval_only, parse_cli, run_settings
+from dapo_utils.checkpoints import STARTING, Interrupted, resume_advice, stop_signals_raise
+from dapo_utils.cli import check_before_loading, check_eval_only, debugging, parse_cli, run_settings
 from dapo_utils.curves import plot_command
 from dapo_utils.evaluation import accuracy_summary, run_eval
 from dapo_utils.guards import RunStopped
+from dapo_utils.notices import one_line_warnings
 from dapo_utils.options import python_command
 from dapo_utils.record import write_run_arguments
-from dapo_utils.rewards import check_rewards, reward_functions
+from dapo_utils.rewards import RewardFunctionError, check_rewards, reward_functions
 from dapo_utils.run_dir import claim_output_dir, hold_output_dir
+from dapo_utils.writes import WriteFailed
+
+READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)  # a write refused, not a disk that is full
 
 
 def main(argv, arguments_class, build_args, build_trainer, run, rewards_module):
@@ -28,20 +38,31 @@ def main(argv, arguments_class, build_args, build_trainer, run, rewards_module):
     -> the trained trainer; rewards_module: where --reward_funcs' bare names live (reward_func). Returns the trainer
     (--eval_only: {model: metrics}); a refused or failed run exits with one line."""
     cli, given = parse_cli(arguments_class, argv)
-    script = inspect.getsourcefile(run)  # train.py
-    command = python_command(script)  # how this folder's shell runs train.py again
+    cli.debug = debugging(cli)
     if cli.plot:
         try:
             return print(plot_command(cli.plot))
         except WriteFailed as error:  # a full disk
-            sys.exit(f"error: {error}")
+            fail(error, cli.debug)
+    with one_line_warnings(), stop_signals_raise(STARTING):  # until training: a stop signal ends the start
+        try:
+            return command(cli, given, arguments_class, build_args, build_trainer, run, rewards_module)
+        except Interrupted as stop:  # before training (train.py's run stops later ones itself): nothing to resume
+            if cli.debug or stop.phase != STARTING:
+                raise
+            say_once(f"stopped by {stop.name} while starting: nothing was trained; run the same command again")
+            sys.exit(128 + stop.signum)
+
+
+def command(cli, given, arguments_class, build_args, build_trainer, run, rewards_module):
+    """main's work once the command line is read: the settings, the checks, the output folder held, the run."""
     try:  # the command line over a checkpoint's settings over the demo's, under the preset
         overrides, checkpoint = run_settings(cli, given, arguments_class)
         args = build_args(cli.preset, overrides)
         reward_funcs = reward_functions(args, rewards_module)  # names and import paths resolved before anything loads
         status = check_rewards(args, reward_funcs) if cli.check_rewards else None  # no model, no output_dir
     except ValueError as error:
-        sys.exit(f"error: {error}")
+        fail(error, cli.debug)
     if status is not None:
         sys.exit(status)
     if cli.eval_only:  # checked before anything loads
@@ -50,25 +71,28 @@ def main(argv, arguments_class, build_args, build_trainer, run, rewards_module):
     hold = (args.output_dir, cli.take_over_lock, world.is_main, checkpoint is not None)  # a resume takes a dead lock
     with hold_output_dir(*hold):  # rank 0 holds it for the run
         if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
-            return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
+            try:
+                return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
+            except ValueError as error:  # a reward function that fails on its trial rows
+                fail(error, cli.debug)
         if world.is_main:  # a fresh demo first builds its world in a folder of its own, which it claims
             if cli.demo and checkpoint is None:
                 from dapo_utils.tiny_world import demo_world
 
-                world_paths = demo_world(args.output_dir, args.system_prompt, args.overwrite_output_dir)
+                try:
+                    world_paths = demo_world(args.output_dir, args.system_prompt, args.overwrite_output_dir)
+                except WriteFailed as error:  # a full disk
+                    fail(error, cli.debug, "free space, then run the same command again")
                 args.model_path, args.data_path = world_paths
             check_before_loading(args, len(reward_funcs))
             if checkpoint is None and not cli.demo:  # a fresh run: an earlier run's logs and checkpoints go, or
                 claim_output_dir(args.output_dir, args.overwrite_output_dir)  # the run is refused
         args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
-        try:
-            if world.is_main:  # before the first sampling round: kept beside the final model
-                write_run_arguments(args, reward_funcs, f"{command} {shlex.join(cli.argv)}", os.path.dirname(script))
-            trainer = run(args, checkpoint)
-        except (ValueError, RunStopped, WriteFailed) as error:  # a refused resume, a diverged run, a full disk
-            sys.exit(f"error: {error}")
-        except KeyboardInterrupt:  # train() saved a checkpoint, or the final save kept the earlier files: said so
-            sys.exit(130)
+        script = inspect.getsourcefile(run)  # train.py
+        command = python_command(script)  # how this folder's shell runs train.py again
+        record = f"{command} {shlex.join(cli.argv)}", reward_funcs, os.path.dirname(script)
+        on_start = (lambda trainer: write_run_arguments(args, *record)) if world.is_main else None  # dapo_args.json
+        trainer = run_to_the_end(args, checkpoint, run, on_start, cli.debug, distributed.launcher(world.size))
     if world.is_main:  # the demo's commands run with this interpreter, activated venv or not
         if cli.demo:
             from dapo_utils.tiny_world import demo_summary
@@ -77,3 +101,41 @@ def main(argv, arguments_class, build_args, build_trainer, run, rewards_module):
         else:
             print(accuracy_summary(args.output_dir))
     return trainer
+
+
+def run_to_the_end(args, checkpoint, run, on_start, debug, launcher):
+    """run(args, checkpoint, on_start), whose failures end in one line; those that stop a run in its course also
+    name the newest checkpoint and the command (with its launcher) that continues from it once the cause is fixed."""
+    try:
+        return run(args, checkpoint, on_start)
+    except RewardFunctionError as error:  # the user's reward function: fix it, continue from the newest checkpoint
+        fail(error, debug, resume_advice(args.output_dir, "fix it", launcher))
+    except WriteFailed as error:  # a full disk
+        fix = "make it writable" if getattr(error.__cause__, "errno", None) in READ_ONLY else "free space"
+        fail(error, debug, resume_advice(args.output_dir, fix, launcher))
+    except (ValueError, RunStopped) as error:  # a refused resume, a diverged run (it names its checkpoint)
+        fail(error, debug)
+    except Interrupted as stop:  # a second Ctrl-C, or one while the final model is written
+        if debug or stop.phase == STARTING:
+            raise
+        say_once(f"stopped by {stop.name} {stop.phase}; {resume_advice(args.output_dir, '', launcher)}")
+        sys.exit(128 + stop.signum)
+    except KeyboardInterrupt:  # train() saved a checkpoint and printed the command that continues from it
+        sys.exit(130)
+
+
+def fail(error, debug, advice=""):
+    """End the command with error's one line (and advice: what to do next); with --debug, with its traceback."""
+    if debug:
+        raise error
+    sys.exit(f"error: {error}" + (f"; {advice}" if advice else ""))
+
+
+def say_once(line):
+    """A line on stderr from one process (torchrun's rank 0: every rank gets the signal); a terminal that is gone
+    (SIGHUP) is no error."""
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            print(line, file=sys.stderr)
+        except OSError:
+            pass

@@ -48,6 +48,11 @@ OPTIONS = [  # (section, flag, argparse keywords); a section named by a field: t
         "--take_over_lock",
         dict(action="store_true", help="take over output_dir's train.lock, left by a run that has ended"),
     ),
+    (
+        "report_to",
+        "--debug",
+        dict(action="store_true", help="errors end in their traceback, not one line (or DAPO_DEBUG=1)"),
+    ),
 ]
 TYPES = {"int": int, "float": float, "str": str, "bool": bool, "Optional": Optional, "List": List}
 

@@ -1,6 +1,6 @@
-"""output_dir/dapo_args.json: what a run started with, written before its first sampling round, so that a run that
-stops before its first checkpoint, or whose checkpoints were pruned, still says how it ran; it stays beside the final
-model (a resume writes its own). It holds what each checkpoint's dapo_args.json holds (checkpoints.saved_arguments:
+"""output_dir/dapo_args.json: what a run started with, written once it has loaded (a start its checks refuse
+leaves nothing) and before its first sampling round, so that a run that stops before its first checkpoint, or whose
+checkpoints were pruned, still says how it ran; it stays beside the final model (a resume writes its own). It holds what each checkpoint's dapo_args.json holds (checkpoints.saved_arguments:
 every DapoArguments field as resolved, the system prompt as its text, the paths absolute) and, under "launch", the
 rest of the story:
 
@@ -58,7 +58,7 @@ def run_arguments(args, reward_funcs, command, code_folder):
     return saved_arguments(args) | {"launch": launch}
 
 
-def write_run_arguments(args, reward_funcs, command, code_folder):
+def write_run_arguments(args, command, reward_funcs, code_folder):
     """Write output_dir/dapo_args.json (run_arguments); a failed write (a full disk) is WriteFailed, one line."""
     path = os.path.join(args.output_dir, ARGS_FILE)
     with writing("the run's settings", path):

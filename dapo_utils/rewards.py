@@ -18,6 +18,8 @@ import functools
 import importlib
 import inspect
 import math
+import os
+import traceback
 
 import torch
 
@@ -126,6 +128,7 @@ def reference_rows(args):
     """(split, row in the split, question, reference answer) of the train and test splits, read as training reads
     them (the held-out rule included)."""
     reading = dict(columns=(args.question_column, args.answer_column), answer_format=args.answer_format)
+    reading["test_size"] = args.test_size
     rows = []
     for split in ("train", "test"):
         data = GSM8KDataset(args.data_path, None, split, **reading)
@@ -193,50 +196,95 @@ def reward_model_scores(model, tokenizer, prompts, responses):
     return model(**inputs).logits[:, 0].float()
 
 
-class RewardFunctionError(RuntimeError):
-    """A reward function (or model) raised. The message names it; its own traceback is the cause's, which
-    train.py's main lets through (it turns only the trainer's own errors into one line)."""
+class RewardFunctionError(ValueError):
+    """A reward function (or model) that raised or returned what is no reward (a string, the wrong count, a NaN).
+    The message is one line naming it, what it did and, when it raised, the file and line of the user's code that
+    did; the original error is the cause. launch.main adds the checkpoint to resume (--debug: the traceback)."""
 
 
-class RewardTimeoutError(ValueError):
-    """A reward function ran past reward_timeout: one line (train.py's main), naming it."""
+class RewardTimeoutError(RewardFunctionError):
+    """A reward function ran past reward_timeout: one line (launch.main), naming it."""
 
 
 class RewardCallExpired(TimeLimitExpired):
     """A reward function's call ran past reward_timeout."""
 
 
+def raised_at(error, func):
+    """Where an exception raised in a reward function came from, as `file:line`: the last frame in the function's own
+    module (the user's code, not a library it called), else the last frame; paths under the working directory
+    relative to it."""
+    frames = traceback.extract_tb(error.__traceback__)
+    code = getattr(inspect.unwrap(getattr(func, "func", func)), "__code__", None)  # a partial: its function
+    own = [frame for frame in frames if code is not None and frame.filename == code.co_filename]
+    frame = (own or frames)[-1]
+    path = (
+        os.path.relpath(frame.filename) if not os.path.relpath(frame.filename).startswith(os.pardir) else frame.filename
+    )
+    return f"{path}:{frame.lineno}"
+
+
 def reward_column(name, reward_func, reward_tokenizer, prompts, responses, answers, device, timeout=0, failures=None):
     """One reward function's (or reward model's) scores of N responses: [N] float32, NaN where it returned None
-    (no opinion). A wrong number of values, a NaN or infinite one, or a call past `timeout` seconds (0: no limit)
-    is an error that names the function. failures: {metric: count}, to which the answer checks that raised or
-    ran past their limit during the call add, as reward_errors/NAME and reward_timeouts/NAME."""
+    (no opinion). An exception it raises, a value that is no number, a wrong number of values, a NaN or infinite
+    one, or a call past `timeout` seconds (0: no limit) is a RewardFunctionError that names the function.
+    failures: {metric: count}, to which the answer checks that raised or ran past their limit during the call
+    add, as reward_errors/NAME and reward_timeouts/NAME."""
     checks_before = CHECK_FAILURES.copy()
     try:
         with time_limit(timeout, RewardCallExpired):
             if reward_tokenizer is not None:  # a reward model, scoring prompt + response
                 return reward_model_scores(reward_func, reward_tokenizer, prompts, responses)
-            values = list(reward_func(prompts=prompts, responses=responses, answers=answers))
+            values = reward_func(prompts=prompts, responses=responses, answers=answers)
     except RewardCallExpired:
         message = f"reward function {name} ran past reward_timeout={timeout} s on {len(responses)} responses"
         raise RewardTimeoutError(f"{message}: make it faster, or raise reward_timeout (0 = no limit)") from None
-    except Exception as error:  # the user's code: name it, keep its traceback
-        raise RewardFunctionError(f"reward function {name} raised {type(error).__name__}: {error}") from error
+    except Exception as error:  # the user's code: name it and where it raised, keep its traceback as the cause
+        lines = str(error).strip().splitlines() or [""]  # one line: the message's first, the rest in --debug
+        what = f"{type(error).__name__}: {lines[0]}{' ...' if len(lines) > 1 else ''} ({raised_at(error, reward_func)})"
+        raise RewardFunctionError(f"reward function {name} raised {what}") from error
     if failures is not None:
         for kind, metric in (("raised", "reward_errors"), ("timed_out", "reward_timeouts")):
             failures[f"{metric}/{name}"] = (
                 failures.get(f"{metric}/{name}", 0) + CHECK_FAILURES[kind] - checks_before[kind]
             )
-    if len(values) != len(responses):
-        raise ValueError(f"reward function {name} returned {len(values)} values for {len(responses)} responses")
-    given, values = values, [math.nan if v is None else float(v) for v in values]
-    for i, (v, value) in enumerate(zip(given, values)):
-        if v is not None and not math.isfinite(value):
-            kind = "a NaN" if math.isnan(value) else "an infinite"
-            raise ValueError(
-                f"reward function {name} gave response {i} of {len(values)} {kind} reward; return None for no opinion"
+    return torch.tensor(checked_values(name, values, len(responses)), dtype=torch.float32, device=device)
+
+
+def checked_values(name, values, count):
+    """A reward function's return value as `count` floats (NaN for None), or a RewardFunctionError naming the
+    function and what is wrong: not a list, the wrong count, a value that is no number, a NaN or infinite one."""
+    rule = "return one number per response (None: no opinion)"
+    try:
+        if isinstance(values, (str, bytes, dict)):
+            raise TypeError
+        values = list(values)
+    except TypeError:
+        raise RewardFunctionError(f"reward function {name} returned {short(values)}, not a list: {rule}") from None
+    if len(values) != count:
+        raise RewardFunctionError(f"reward function {name} returned {len(values)} values for {count} responses")
+    floats = []
+    for i, value in enumerate(values):
+        try:
+            if not (value is None or hasattr(value, "__float__")):  # a string too: "high", or "1" by mistake
+                raise TypeError
+            floats.append(math.nan if value is None else float(value))
+        except (TypeError, ValueError):  # a tensor of more than one value: ValueError
+            raise RewardFunctionError(
+                f"reward function {name} returned {short(value)} for response {i} of {count}: {rule}"
+            ) from None
+        if value is not None and not math.isfinite(floats[-1]):
+            kind = "a NaN" if math.isnan(floats[-1]) else "an infinite"
+            raise RewardFunctionError(
+                f"reward function {name} gave response {i} of {count} {kind} reward; return None for no opinion"
             )
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return floats
+
+
+def short(value):
+    """A value in a message: its repr, cut to 40 characters, and its type."""
+    text = repr(value)
+    return f"{text[:40]}{'...' if len(text) > 40 else ''} ({type(value).__name__})"
 
 
 def example_records(prompts, responses, answers, rewards, reward_names, extract=extract_answer):

@@ -1,10 +1,11 @@
 """The output folder a run writes to: it holds the folder for the whole run (hold_output_dir, a lock file with
 its PID, host and start time: lock_refusal, lock_holder, process_runs), and a fresh run claims it
 (claim_output_dir: an earlier run's logs and checkpoints cleared with --overwrite_output_dir=true, else refused;
-earlier_run says
-what is there). Used by cli.py (every run) and tiny_world.py (the demo's own folder)."""
+earlier_run says what is there); a run that ends before it wrote anything leaves no lock and no empty folder.
+Used by launch.py (every run) and tiny_world.py (the demo's own folder)."""
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -49,23 +50,26 @@ def claim_output_dir(output_dir, may_clear, demo=False):
 
 
 def lock_refusal(output_dir, take_over, take_over_dead=False):
-    """Create output_dir/train.lock exclusively (O_CREAT | O_EXCL) with this process's PID, host and start time.
-    Returns '' when this run holds it, else the one line that refuses the run. A lock whose process no longer
-    runs on this host (its PID gone, or now another process's: another start time) is taken over with
-    --take_over_lock, or by take_over_dead (a --resume); one of another host (whose process this one cannot
-    see) only with --take_over_lock; a lock of a live process never is."""
+    """Create output_dir/train.lock exclusively (O_CREAT | O_EXCL, mode 0644) with this process's PID, host and
+    start time. Returns '' when this run holds it, else the one line that refuses the run. A lock whose process no
+    longer runs on this host (its PID gone, or now another process's: another start time), or that names no
+    process (empty or unreadable: a run killed or out of disk space as it wrote it), is a dead holder's: taken over
+    with --take_over_lock, or by take_over_dead (a --resume). One of another host (whose process this one cannot
+    see) only with --take_over_lock; a lock of a live process never is. A lock that cannot be written (a full
+    disk) is removed and its OSError raised."""
     path, host = os.path.join(output_dir, LOCK_FILE), socket.gethostname()
     for attempt in range(2):  # the second: after taking over a stale lock
         try:
-            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            holder, dead = lock_holder(path), False
+            holder, dead = lock_holder(path), True
             if holder is None:
-                gone = "names no run (one killed while starting?)"
+                gone = "that names no run (empty: one killed while starting?)"
             elif holder["host"] != host:
+                dead = False
                 gone = f"of PID {holder['pid']} on host {holder['host']}, another machine: if that run has ended"
             elif not process_runs(holder["pid"], holder.get("start")):
-                gone, dead = f"of PID {holder['pid']} on host {host}, which no longer runs (killed?)", True
+                gone = f"of PID {holder['pid']} on host {host}, which no longer runs (killed?)"
             else:
                 return (
                     f"error: output_dir {output_dir!r} is in use by another run (PID {holder['pid']} on host {host}): "
@@ -77,9 +81,23 @@ def lock_refusal(output_dir, take_over, take_over_dead=False):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
             continue
-        with os.fdopen(descriptor, "w", encoding="utf-8") as f:
-            json.dump(this_process(), f)
+        write_lock(descriptor, path)
         return ""
+
+
+def write_lock(descriptor, path):
+    """This process's record (this_process) into the lock just created, in one write; a write that fails (a full
+    disk) removes the lock, so that no empty one stays behind."""
+    record = json.dumps(this_process()).encode()
+    try:
+        written = os.write(descriptor, record)
+        if written != len(record):
+            raise OSError(errno.ENOSPC, f"{written} of {len(record)} bytes written")
+    except BaseException:  # a full disk; Ctrl-C or SIGTERM in between (launch: Interrupted)
+        os.remove(path)
+        raise
+    finally:
+        os.close(descriptor)
 
 
 def this_process():
@@ -122,18 +140,28 @@ def process_runs(pid, start=None):
 @contextlib.contextmanager
 def hold_output_dir(output_dir, take_over=False, enabled=True, resuming=False):
     """This run holds output_dir (lock_refusal) until the block ends, however it ends: normally, by an error,
-    by Ctrl-C, SIGTERM or sys.exit. Refused: exit in one line naming the holder. resuming: a lock whose process
-    is dead on this host is taken over with a notice. enabled=False holds nothing (torchrun's ranks but rank 0,
+    by Ctrl-C, SIGTERM or sys.exit; then the folders it made for the run go again if they are empty (a refused
+    run leaves nothing behind). Refused: exit in one line naming the holder. resuming: a lock whose process is
+    dead on this host is taken over with a notice. enabled=False holds nothing (torchrun's ranks but rank 0,
     which holds the folder for the job)."""
     if not enabled:
         yield
         return
+    made = missing_folders(output_dir)
     try:
         os.makedirs(output_dir, exist_ok=True)
         refusal = lock_refusal(output_dir, take_over, take_over_dead=resuming)
-    except OSError as error:
-        sys.exit(f"error: cannot write to output_dir {output_dir!r} ({error.strerror}): choose another --output_dir")
+    except BaseException as error:  # a full disk, a read-only folder; Ctrl-C or SIGTERM (launch: Interrupted)
+        remove_if_empty(made)
+        if not isinstance(error, OSError):
+            raise
+        fix = "free space there, or choose" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "choose"
+        sys.exit(
+            f"error: cannot write to output_dir {output_dir!r} ({error.strerror}); nothing was written: {fix} "
+            "another --output_dir"
+        )
     if refusal:
+        remove_if_empty(made)
         sys.exit(refusal)
     path = os.path.join(output_dir, LOCK_FILE)
     try:
@@ -141,3 +169,22 @@ def hold_output_dir(output_dir, take_over=False, enabled=True, resuming=False):
     finally:
         if lock_holder(path) == this_process():  # still ours
             os.remove(path)
+        remove_if_empty(made)
+
+
+def missing_folders(path):
+    """The folders that os.makedirs(path) would make, deepest first."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_if_empty(folders):
+    """Remove each folder, deepest first, while it is empty."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty (or gone): it and those above it stay
+            return

@@ -54,9 +54,10 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from dapo_utils.checkpoints import find_checkpoints
-from dapo_utils.curves import read_accuracies
+from dapo_utils.curves import read_accuracies, unevaluated_steps
 from dapo_utils.options import shown_path
 from dapo_utils.run_dir import LOCK_FILE, claim_output_dir
+from dapo_utils.writes import writing
 
 DEMO_MARKER = "demo_world.txt"  # in the output_dir the demo made: the only kind of folder a new demo clears
 VOCAB_SIZE = 300  # the BPE stops at ~280: a prompt is ~31 tokens, Chinese phrases are single tokens
@@ -428,9 +429,11 @@ def demo_summary(history, args, wall_seconds, resumed_from=None, command="python
     for label, accuracy in zip(("held-out accuracy", "lenient accuracy"), read_accuracies(output_dir)):
         if accuracy:  # both at full precision (evaluations.jsonl), written to 2 decimals: the gains agree
             (first_step, first), (last_step, last) = min(accuracy.items()), max(accuracy.items())
+            change = f"  ->  step {last_step} {last:.2f}  ({last - first:+.2f})" if last_step != first_step else ""
             lines.append(
-                f"  {label:<17}  step {first_step} {first:.2f}  ->  step {last_step} {last:.2f}  ({last - first:+.2f})"
+                f"  {label:<17}  step {first_step} {first:.2f}{change}"
                 f"  [every evaluation: {' '.join(f'{accuracy[s]:.2f}' for s in sorted(accuracy))}]"
+                + unevaluated_steps(output_dir, last_step)
             )
 
     def first_and_last(key):  # (window, mean over the first and the last `window` steps that have key)
@@ -487,18 +490,29 @@ def demo_next_steps(args, command):
 def demo_world(output_dir, system_prompt, overwrite=False, warm_up_steps=DEMO_WARM_UP_STEPS):
     """A fresh demo in output_dir, marked as the demo's (DEMO_MARKER). A folder an earlier demo made is emptied, its
     final model and evaluations too (all of it is that demo's; this run holds the lock); another run's folder is
-    refused, unless overwrite (run_dir.claim_output_dir: its logs and checkpoints go). Then build the world there.
+    refused, unless overwrite (run_dir.claim_output_dir: its logs and checkpoints go). Then build the world there; a
+    build that does not finish (Ctrl-C, SIGTERM, a full disk) removes its folders, and the marker if it wrote it.
     Returns (model_dir, data_dir)."""
     marker = os.path.join(output_dir, DEMO_MARKER)
-    if os.path.exists(marker):
-        for name in set(os.listdir(output_dir)) - {LOCK_FILE}:
+    made = [] if os.path.exists(marker) else [marker]
+    if made:
+        claim_output_dir(output_dir, overwrite, demo=True)
+    else:
+        for name in set(os.listdir(output_dir)) - {LOCK_FILE, DEMO_MARKER}:
             path = os.path.join(output_dir, name)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
             else:
                 os.remove(path)
-    else:
-        claim_output_dir(output_dir, overwrite, demo=True)
-    with open(marker, "w", encoding="utf-8") as f:
-        f.write("made by `python train.py --demo`: a new demo may clear this folder\n")
-    return build_tiny_world(output_dir, system_prompt, warm_up_steps=warm_up_steps)
+    try:
+        with writing("the demo's world to", output_dir, "; none of it is left"):  # a full disk: one line
+            with open(marker, "w", encoding="utf-8") as f:
+                f.write("made by `python train.py --demo`: a new demo may clear this folder\n")
+            return build_tiny_world(output_dir, system_prompt, warm_up_steps=warm_up_steps)
+    except BaseException:  # Ctrl-C, SIGTERM (launch: Interrupted) or a full disk: no half-built world stays
+        for name in ("gsm8k_tiny", "tiny-qwen2"):
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+        for path in made:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        raise

@@ -30,9 +30,18 @@ def writing(what, path, intact=""):
 
 
 def append_log(output_dir, name, line):
-    """One line at the end of output_dir/name (a log of LOG_FILES)."""
+    """One line at the end of output_dir/name (a log of LOG_FILES), whole or not at all: a write that fails part
+    way (a full disk) is cut back off, so that the log ends in its last whole line."""
     path = os.path.join(output_dir, name)
-    with writing("the log", path, "; the checkpoints are intact"):
+    with writing("the log", path, "; its last line was not written, the lines before are whole"):
         os.makedirs(output_dir, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        size, data = os.fstat(descriptor).st_size, (line + "\n").encode()
+        try:
+            while data:  # os.write may write part of it and return the count
+                data = data[os.write(descriptor, data) :]
+        except OSError:
+            os.ftruncate(descriptor, size)
+            raise
+        finally:
+            os.close(descriptor)

@@ -179,8 +179,9 @@ def test_a_full_disk_anywhere_is_one_line_and_keeps_what_was_written(world, tmp_
     full.append("checkpoint_2")
     with pytest.raises(SystemExit) as raised:
         main(run_args(world, out, "--max_steps=3", "--save_steps=1", "--overwrite_output_dir=true"))
-    assert (
-        error_line(raised) == f"error: could not write checkpoint_2 (disk full?): {DISK_FULL}; checkpoint_1 is intact"
+    assert error_line(raised) == (
+        f"error: could not write checkpoint_2 (disk full?): {DISK_FULL}; the newest checkpoint is checkpoint_1 (step "
+        f"1): free space, then continue with python train.py --resume={out}/checkpoint_1"
     )
     assert checkpoint_damage(out / "checkpoint_1") == ""  # weights, trainer state, arguments, checksums
     assert not (out / "checkpoint_2.tmp").exists() and not (out / "train.lock").exists()
@@ -191,7 +192,8 @@ def test_a_full_disk_anywhere_is_one_line_and_keeps_what_was_written(world, tmp_
     # (a resume at max_steps trains no further: it writes its final model from the checkpoint's weights)
     assert error_line(raised) == (
         f"error: could not write the final model to {out}/final_model.tmp ({DISK_FULL}); {out} keeps its earlier "
-        "files, and checkpoint_1 this run's weights"
+        f"files; the newest checkpoint is checkpoint_1 (step 1): free space, then continue with python train.py "
+        f"--resume={out}/checkpoint_1"
     )
 
     def no_space(*args, **kwargs):
@@ -201,12 +203,20 @@ def test_a_full_disk_anywhere_is_one_line_and_keeps_what_was_written(world, tmp_
     with pytest.raises(SystemExit) as raised:
         main([f"--plot={out}"])
     assert error_line(raised) == f"error: could not write the curves {out}/curves.png (No space left on device)"
-    monkeypatch.setattr("dapo_utils.writes.open", no_space, raising=False)  # every log line
+    write = os.write
+
+    def logs_full(descriptor, data):  # every log line
+        if os.readlink(f"/proc/self/fd/{descriptor}").endswith((".txt", ".jsonl")):
+            no_space()
+        return write(descriptor, data)
+
+    monkeypatch.setattr(os, "write", logs_full)
     with pytest.raises(SystemExit) as raised:
         main(["--resume=latest", f"--output_dir={out}", "--max_steps=2"])
     assert error_line(raised) == (
-        f"error: could not write the log {out}/training_losses.txt (No space left on device); the checkpoints are "
-        "intact"
+        f"error: could not write the log {out}/training_losses.txt (No space left on device); its last line was not "
+        "written, the lines before are whole; the newest checkpoint is checkpoint_1 (step 1): free space, then "
+        f"continue with python train.py --resume={out}/checkpoint_1"
     )
 
 
@@ -240,7 +250,7 @@ def test_edited_and_damaged_checkpoints_are_named_before_anything_loads(world, t
         main(["--resume=latest", f"--output_dir={out}"])
     assert error_line(raised) == (
         f"error: {model} is damaged (its sha256 is not the one in checksums.json: changed since it was written); "
-        f"no intact checkpoint keeps a trainer state; start a new run from its weights: "
+        f"no intact checkpoint keeps a trainer state; start a new run from the weights of checkpoint_1: "
         f"--model_path={out}/checkpoint_1"
     )
 
@@ -284,15 +294,16 @@ def test_ctrl_c_during_the_final_save_keeps_the_earlier_model_whole(world, tmp_p
 
     def ctrl_c_after_the_weights(self, folder, *args, **kwargs):  # the weights are written, the tokenizer not
         if str(folder).endswith("final_model.tmp"):
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)
         return save_pretrained(self, folder, *args, **kwargs)
 
     monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "save_pretrained", ctrl_c_after_the_weights)
     with pytest.raises(SystemExit) as raised:
         main(run_args(world, out, "--max_steps=2", "--save_steps=2", "--overwrite_output_dir=true", "--seed=2"))
     assert raised.value.code == 130
-    assert capsys.readouterr().out.endswith(
-        f"stopped while writing the final model; {out} keeps its earlier files, and checkpoint_2 this run's weights\n"
+    assert capsys.readouterr().err.endswith(
+        f"stopped by Ctrl-C while writing the final model; {out} keeps its earlier files; the newest checkpoint is "
+        f"checkpoint_2 (step 2): continue with python train.py --resume={out}/checkpoint_2\n"
     )
     assert before == {name: (out / name).read_bytes() for name in before} and not (out / "final_model.tmp").exists()
     monkeypatch.undo()

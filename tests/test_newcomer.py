@@ -65,7 +65,7 @@ def test_help_prints_each_option_once_in_its_group_before_torch_loads(monkeypatc
     fields = [f.name for f in dataclasses.fields(DapoArguments)]
     listed = re.findall(r"^  (-\S+)", text, flags=re.M)  # every option at the start of its line: each once
     assert sorted(listed) == sorted(
-        ["-h,", *options(MODES), "--preset", "--take_over_lock", *map("--{}".format, fields)]
+        ["-h,", *options(MODES), "--preset", "--take_over_lock", "--debug", *map("--{}".format, fields)]
     )
     options_part = text.split("\n\nNames in brackets")[0]  # the epilog says --max-steps reads as --max_steps
     assert re.findall(r"--\w+-\w+", options_part) == []  # and no option line shows it

@@ -231,8 +231,10 @@ def test_each_refusal_is_one_line_before_a_model_loads(world, tmp_path, own_rewa
         weights = ["--reward_weights=1"] if flag.startswith("--reward_funcs=own") else []
         assert line in refusal(run_args(world, next(out), flag, *weights)), flag
     slow = refusal(run_args(world, next(out), "--reward_funcs=own_rewards_32:slow", "--reward_timeout=0.3"))
-    assert slow == "error: reward function slow ran past reward_timeout=0.3 s on 2 responses: make it faster, or " \
-        "raise reward_timeout (0 = no limit)"  # fmt: skip
+    assert slow == (
+        "error: reward function slow ran past reward_timeout=0.3 s on 2 responses: make it faster, or raise "
+        "reward_timeout (0 = no limit); there is no checkpoint to resume: fix it, then start the run again"
+    )
 
 
 def test_rows_without_a_question_or_a_readable_answer_are_named(world, tmp_path, monkeypatch):

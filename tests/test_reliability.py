@@ -21,6 +21,7 @@ from dapo_utils import checkpoints
 from dapo_utils.answers import is_correct
 from dapo_utils.checkpoints import write_checksums
 from dapo_utils.curves import read_jsonl
+from dapo_utils.rewards import RewardFunctionError
 from train import DapoArguments, GSM8KDataset, main
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
@@ -189,7 +190,9 @@ def test_a_full_disk_at_a_checkpoint_names_the_intact_one(make_trainer, monkeypa
         return save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", disk_full_at_step_2)
-    with pytest.raises(RuntimeError, match="could not write checkpoint_2 \\(disk full\\?\\).*checkpoint_1 is intact"):
+    with pytest.raises(
+        RuntimeError, match="could not write checkpoint_2 \\(disk full\\?\\): .*unexpected pos 128 vs 64$"
+    ):
         trainer.train()
     out = trainer.args.output_dir
     assert [name for name in os.listdir(out) if name.startswith("checkpoint")] == ["checkpoint_1"]  # no .tmp left
@@ -380,7 +383,9 @@ def test_the_previous_trainer_state_stays_until_the_new_checkpoint_reads_back(ma
             cut_in_half(pathlib.Path(folder) / "model.safetensors")
 
     monkeypatch.setattr(trainer.model, "save_pretrained", weights_lost_at_step_2)
-    with pytest.raises(RuntimeError, match="could not write checkpoint_2 .*model.safetensors.*checkpoint_1 is intact"):
+    with pytest.raises(
+        RuntimeError, match="could not write checkpoint_2 \\(disk full\\?\\): .*model.safetensors is damaged"
+    ):
         trainer.train()
     out = trainer.args.output_dir
     assert [name for name in os.listdir(out) if name.startswith("checkpoint")] == ["checkpoint_1"]
@@ -397,13 +402,16 @@ def parse_reward(prompts, responses, answers):
     return [float("x") for _ in responses]
 
 
-def test_a_reward_functions_error_names_it_and_keeps_its_traceback(world, tmp_path):
+def test_a_reward_functions_error_names_it_and_debug_keeps_its_traceback(world, tmp_path):
     out = tmp_path / "out"
     message = "reward function parse_reward raised ValueError: could not convert string to float: 'x'"
-    with pytest.raises(RuntimeError, match=message) as raised:
+    where = f".*test_reliability.py:{parse_reward.__code__.co_firstlineno + 1}"  # its line that raised
+    with pytest.raises(SystemExit, match=f"{message} \\({where}\\); there is no checkpoint to resume: fix it"):
         main(run_args(world, out, "--max_steps=1", "--reward_funcs=test_reliability:parse_reward"))
+    with pytest.raises(RewardFunctionError, match=message) as raised:
+        main(run_args(world, out, "--max_steps=1", "--reward_funcs=test_reliability:parse_reward", "--debug"))
     assert "parse_reward" in [frame.name for frame in traceback.extract_tb(raised.value.__cause__.__traceback__)]
-    assert not (out / "train.lock").exists()
+    assert not out.exists()  # no lock, no empty folder
 
 
 def test_splits_of_different_types_are_named_and_both_read(tmp_path):
