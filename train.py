@@ -174,6 +174,7 @@ class DapoArguments:
     padding_free: bool = arg(False, "log-prob and loss passes on real tokens only, packed in one row (verl)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30%% slower")
     fsdp: bool = arg(False, "under torchrun, shard parameters, gradients and Adam states over the ranks (FSDP2)")
+    ddp_timeout: int = arg(1800, "seconds a rank waits for the others in a collective (Hugging Face's)", at_least=1)
     use_vllm: bool = arg(False, "sample with vLLM in this process (pip install -r requirements/vllm.txt; TRL's name)")
     vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (TRL's default)")
     vllm_enable_sleep_mode: bool = arg(False, "on CUDA, vLLM frees its memory between rollouts (TRL's name)")
@@ -369,7 +370,7 @@ class DapoTrainer:
     ):  # fmt: skip
         self.args = args = args if args is not None else DapoArguments()
         args.validate()  # again: users may have edited fields after construction
-        self.world = distributed.setup(args.device)  # torchrun / accelerate launch: this process's rank
+        self.world = distributed.setup(args.device, timeout=args.ddp_timeout)  # torchrun: this process's rank
         torch.manual_seed(args.seed + self.world.rank)  # each rank samples differently; the prompt order does not
         # Policy in float32: transformers 5 loads a bf16 checkpoint as bf16, where Adam's 1e-6 steps round
         # away. Forward passes may still autocast to bf16 on CUDA (args.bf16).
@@ -409,7 +410,7 @@ class DapoTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor)
         # Sampling is explicit: a model's own generation config (greedy, repetition penalty, ...) must not
         # change the behaviour policy. generate runs greedy over SampleKeptTokens, which draws.
-        self.logits_processor = sampling_processors(args.temperature, args.top_k, args.top_p)
+        self.logits_processor = sampling_processors(args.temperature, args.top_k, args.top_p, args.device)
         self.generation_config = GenerationConfig(
             do_sample=False, max_new_tokens=args.max_generate_length, eos_token_id=self.eos_token_ids,
             pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.model.generation_config.bos_token_id,
@@ -633,8 +634,8 @@ class DapoTrainer:
         start = time.perf_counter()
         loss, metrics = self.compute_loss(model, inputs, normaliser, return_metrics=True)
         loss.backward()
-        num_tokens = int(inputs.action_mask.sum())
-        return metrics | {"loss": loss.item(), "num_tokens": num_tokens, "time/training": time.perf_counter() - start}
+        loss, num_tokens = torch.stack([loss.detach().double(), inputs.action_mask.sum().double()]).tolist()  # 1 read
+        return metrics | {"loss": loss, "num_tokens": int(num_tokens), "time/training": time.perf_counter() - start}
 
     # ---- 4.6 Algorithm 1 ----
     def train(self):
@@ -773,8 +774,9 @@ class DapoTrainer:
         }
         record |= self.eval_record if self.state.update_steps % self.args.eval_steps == 0 else {}  # evaluated now
         record["truncated_prompts"] = self.world.sum(self.state.truncated_prompts)  # every rank's, whole run
-        if self.args.device.startswith("cuda"):
-            record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        if self.args.device.startswith("cuda"):  # this step's peak: the counter starts again after each record
+            record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.args.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.args.device)
         self.history.append(record)
         self.append_line("metrics.jsonl", json.dumps(record, ensure_ascii=False))
         self.tracker.log(record)

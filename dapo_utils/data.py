@@ -20,7 +20,6 @@ import math
 import os
 import warnings
 
-import datasets
 from torch.utils.data import Dataset
 
 from dapo_utils.answers import normalize_answer, parse_number
@@ -105,6 +104,8 @@ def load_split(data_path, split, test_size, columns, answer_format="number"):
 
 def read_data_set(data_path, split):
     """{split: rows} of a folder or file (the module docstring's layouts)."""
+    import datasets  # here, not at the top: train.py loads without it (gpu_check.sh's parts keep rows in memory)
+
     if os.path.isfile(data_path):
         builder = FILE_BUILDERS.get(os.path.splitext(data_path)[1].lower())
         if builder is None:
@@ -143,6 +144,8 @@ def load_splits_apart(data_path, split, error):
     """The data set's splits read one by one, for splits whose columns differ (datasets reads a folder's
     splits under one schema): a warning names the columns in which `split` differs from "train". A split that
     does not read by itself either gets the one line of an empty or damaged file."""
+    import datasets
+
     try:
         builder = datasets.load_dataset_builder(data_path)
         files = builder.config.data_files
