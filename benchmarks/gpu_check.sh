@@ -3,10 +3,10 @@
 #
 #   bash benchmarks/gpu_check.sh              the check: env, resume, fsdp, logprobs (at most 8 min 20 s on one GPU)
 #   bash benchmarks/gpu_check.sh vllm         vLLM: one call of 64 prompts x G 16, sleep mode (at most 7 min)
-#   bash benchmarks/gpu_check.sh speed        s/step and peak memory at Qwen2.5-1.5B's shape, use_vllm off and on
-#   bash benchmarks/gpu_check.sh long         padded against padding_free passes; one micro-step at 4k-16k tokens
-#   bash benchmarks/gpu_check.sh multi        2 GPUs or more: torchrun with an engine per GPU (DDP + sleep, FSDP)
-#   bash benchmarks/gpu_check.sh all          every part (about 40 minutes)
+#   bash benchmarks/gpu_check.sh speed        s/step and peak memory at Qwen2.5-1.5B's shape, use_vllm off, on (9 min)
+#   bash benchmarks/gpu_check.sh long         padding_free against padded passes; a micro-step at 4k-16k tokens (9 min)
+#   bash benchmarks/gpu_check.sh multi        2 GPUs or more: torchrun, an engine per GPU (DDP + sleep, FSDP; 8 min)
+#   bash benchmarks/gpu_check.sh all          every part (limits adding to 41 minutes)
 #   bash benchmarks/gpu_check.sh --cpu [...]  no GPU: the same parts on the CPU, small shapes (the suite's dry run)
 #
 # Parts can also be named one by one (env resume fsdp logprobs vllm_call sleep speed padding_free long_responses
@@ -29,7 +29,7 @@ parts=()
 for arg in "$@"; do
     case $arg in
     --cpu) mode=cpu ;;
-    -h | --help) sed -n '2,19p' "$0" | cut -c3- && exit 0 ;;
+    -h | --help) sed -n '2,18p' "$0" | cut -c3- && exit 0 ;;
     check) parts+=(env resume fsdp logprobs) ;;
     vllm) parts+=(vllm_call sleep) ;;
     speed | multi) parts+=("$arg") ;;
@@ -96,7 +96,8 @@ needs() {
 
 utilization=$VLLM_SHARE # vLLM's share of this card: what it would get on a BUDGET_GB card
 if [[ $mode == cuda && $gpus -gt 0 ]]; then
-    utilization=$("$PYTHON" -c "import torch; t = torch.cuda.mem_get_info()[1] / 2**30; print(f'{min($VLLM_SHARE, $VLLM_SHARE * $BUDGET_GB / t):.4f}')")
+    share="min($VLLM_SHARE, $VLLM_SHARE * $BUDGET_GB / (torch.cuda.mem_get_info()[1] / 2**30))"
+    utilization=$("$PYTHON" -c "import torch; print(f'{$share:.4f}')")
 fi
 if [[ $mode == cuda ]]; then
     bench=(--shape qwen2.5-1.5b --device cuda --steps 3 --vllm_gpu_memory_utilization "$utilization")
@@ -122,7 +123,7 @@ for part in "${parts[@]}"; do
     speed) # the default and use_vllm side by side (use_vllm only where vllm is installed)
         vllm=()
         has vllm && vllm=(--vllm)
-        needs speed datasets && run_part speed 570 "$PYTHON" benchmarks/bench.py "${vllm[@]}" --no_loss_check \
+        needs speed datasets && run_part speed 540 "$PYTHON" benchmarks/bench.py "${vllm[@]}" --no_loss_check \
             --json "$OUT/speed.json" "${bench[@]}" ;;
     padding_free) needs padding_free datasets && run_part padding_free 240 "$PYTHON" benchmarks/bench.py \
         --no_loss_check --batch_size 4 --configs "default (train.py),+padding_free" "${packed[@]}" ;;

@@ -6,8 +6,8 @@
     python benchmarks/gpu_parts.py resume --device cuda         a run stopped by SIGTERM with buffered groups and a
                                                                 half-done rollout, resumed: against an uninterrupted run
     torchrun --standalone --nproc_per_node=1 benchmarks/gpu_parts.py fsdp --device cuda     the same with --fsdp
-    python benchmarks/gpu_parts.py logprobs --device cuda       bf16 log-probs against float32 ones, Qwen2.5-1.5B's shape
-    python benchmarks/gpu_parts.py vllm_call --device cuda      one vLLM call of 64 prompts x G 16: the sampler/learner gap
+    python benchmarks/gpu_parts.py logprobs --device cuda       bf16 log-probs against float32 ones (1.5B's shape)
+    python benchmarks/gpu_parts.py vllm_call --device cuda      one vLLM call of 64 prompts x G 16: the sampler gap
     python benchmarks/gpu_parts.py sleep --device cuda          use_vllm with sleep mode: memory freed while training
 
 Nothing is downloaded and `datasets` is not needed: the models are random (tiny_world's shape for the runs, Qwen2.5-
@@ -53,7 +53,8 @@ def environment(opts):
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
         print(
-            f"  GPU {i}: {props.name}, {props.total_memory / 2**30:.1f} GiB, compute capability {props.major}.{props.minor}"
+            f"  GPU {i}: {props.name}, {props.total_memory / 2**30:.1f} GiB, compute capability "
+            f"{props.major}.{props.minor}"
         )
     if not torch.cuda.is_available():
         print("  GPU: none visible to torch")
@@ -197,7 +198,8 @@ def logprobs_check(opts):
         ranked = sorted((results["bf16"] - results["float32"]).abs().flatten().tolist())
         mean = sum(ranked) / len(ranked)
         print(f"  T {temperature}: |bf16 - float32| per token over {len(ranked)} tokens: mean {mean:.2e}, p50 "
-              f"{percentile(ranked, 0.5):.2e}, p95 {percentile(ranked, 0.95):.2e}, max {ranked[-1]:.2e}; float32 kernel "
+              f"{percentile(ranked, 0.5):.2e}, p95 {percentile(ranked, 0.95):.2e}, max {ranked[-1]:.2e}; float32 "
+              "kernel "
               f"against log_softmax(logits): max {kernel:.1e}")  # fmt: skip
         threshold = DapoArguments.vllm_logprob_diff_threshold
         findings += [(kernel < 1e-3, f"T {temperature}: the float32 kernel computes log_softmax(logits / T)")]
