@@ -759,7 +759,8 @@ class DapoTrainer:
     def stop(self):
         """Ctrl-C or SIGTERM (deferred_interrupts): a checkpoint of where the loop is, the command that resumes."""
         path = save_run_checkpoint(self)
-        tqdm.write(f"stopped; continue with: {distributed.launcher(self.state.world_size)} --resume={path}")
+        launch = distributed.launcher(self.state.world_size, self.world.fsdp)
+        tqdm.write(f"stopped; continue with: {launch} --resume={path}")
         raise KeyboardInterrupt
 
     # ---- 4.7 logging ----

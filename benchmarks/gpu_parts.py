@@ -16,8 +16,10 @@ tiny_world's, held in memory. Exit status: 0 ok, 1 a check did not hold, 77 skip
 """
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import io
 import os
 import signal
 import sys
@@ -132,10 +134,13 @@ def resume_check(opts, fsdp=False):
         return step(*args, **kwargs)
 
     stopped.optimizer.step = step_with_sigterm
+    printed = io.StringIO()  # the stop message, checked below
     try:
-        stopped.train()
+        with contextlib.redirect_stdout(printed):
+            stopped.train()
     except KeyboardInterrupt:  # trainer.stop(): after its checkpoint
         pass
+    print(printed.getvalue(), end="")
     checkpoint = os.path.join(out, "stopped", "checkpoint_3")
     resumed = tiny_trainer(os.path.join(out, "stopped"), **settings)
     resume_run(resumed, checkpoint)
@@ -152,7 +157,9 @@ def resume_check(opts, fsdp=False):
     gap = max((final[k] - v.detach().float().cpu()).abs().max().item() for k, v in full_state(resumed).items())
     print(f"  checkpoint_3 after SIGTERM in step 3: {held}; restored on {devices}, the model on {model_device}")
     print(f"  the resumed run's final weights against the uninterrupted run's: max |difference| {gap:.3g}")
+    hint = "torchrun --nproc_per_node=1 train.py --resume=" if fsdp else "python train.py --resume="
     check([
+        (hint in printed.getvalue(), f"the stop message's command: {hint}..."),
         (half_done, "a checkpoint with buffered groups and a half-done rollout"),
         (bool(restored) and devices == [model_device], "every restored tensor on the model's device"),
         (steps == [1, 2, 3, 4], f"steps logged once each: {steps}"),

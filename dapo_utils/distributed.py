@@ -69,9 +69,9 @@ def end_of_run():
         os._exit(0)
 
 
-def launcher(processes):
-    """How to start a run of this many processes: the command a resume must repeat."""
-    return "python train.py" if processes == 1 else f"torchrun --nproc_per_node={processes} train.py"
+def launcher(processes, fsdp=False):
+    """How to start a run of this many processes: the command a resume must repeat (--fsdp: torchrun, even for 1)."""
+    return "python train.py" if processes == 1 and not fsdp else f"torchrun --nproc_per_node={processes} train.py"
 
 
 def step_slice(items, index, parts):
