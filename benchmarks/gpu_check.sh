@@ -23,6 +23,7 @@ OUT="${OUT:-$(mktemp -d)}"
 BUDGET_GB="${BUDGET_GB:-48}"
 VLLM_SHARE="${VLLM_SHARE:-0.3}"
 mkdir -p "$OUT"
+export VLLM_LOGGING_STREAM="${VLLM_LOGGING_STREAM:-ext://sys.stderr}" # vLLM's log to each part's log file
 
 mode=cuda
 parts=()
@@ -102,11 +103,12 @@ fi
 if [[ $mode == cuda ]]; then
     bench=(--shape qwen2.5-1.5b --device cuda --steps 3 --vllm_gpu_memory_utilization "$utilization")
     packed=(--shape qwen2.5-1.5b --device cuda --steps 2 --max_generate_length 300 --lengths 20:300:group)
-    long=(--device cuda --layers 28 --rows 4 --prompt 256 --fit 1024,2048 --lengths 4096,8192,16384 --max_gb 40)
+    long=(--runners ours,ours+gc --device cuda --layers 28 --rows 4 --prompt 256 --fit 1024,2048 --max_gb 40)
+    long+=(--lengths 4096,8192,16384)
 else
     bench=(--shape small --device cpu --steps 1 --max_generate_length 16 --warmup_tokens 8)
     packed=(--shape small --device cpu --steps 1 --max_generate_length 16 --lengths 4:16:group --warmup_tokens 8)
-    long=(--device cpu --layers 1 --rows 2 --prompt 16 --fit 16,32 --lengths 64 --max_gb 4) # rows: a group of 2
+    long=(--runners ours --device cpu --layers 1 --rows 2 --prompt 16 --fit 16,32 --lengths 64 --max_gb 4)
 fi
 
 for part in "${parts[@]}"; do
@@ -128,7 +130,7 @@ for part in "${parts[@]}"; do
     padding_free) needs padding_free datasets && run_part padding_free 240 "$PYTHON" benchmarks/bench.py \
         --no_loss_check --batch_size 4 --configs "default (train.py),+padding_free" "${packed[@]}" ;;
     long_responses) needs long_responses datasets && run_part long_responses 300 "$PYTHON" benchmarks/log_probs.py \
-        --runners ours,ours+gc --budget_gb "$BUDGET_GB" "${long[@]}" ;;
+        --budget_gb "$BUDGET_GB" "${long[@]}" ;;
     multi | torchrun_2)
         if [[ $mode == cpu || $gpus -lt 2 ]]; then
             skip_part torchrun_2 "needs 2 GPUs or more ($gpus visible; on CPUs tests/test_distributed.py runs it)"

@@ -59,6 +59,8 @@ def loss_diagnostics(ratio, advantages, entropy, kl, action_mask, clip_eps_low, 
     ratio, entropy, kl, action_mask: [N, T]; advantages: [N]. One read from the device for all of them (on CUDA
     each read waits for the queued kernels)."""
     mask = action_mask.bool()
+    if not mask.numel():  # no response row (--fsdp's placeholder micro-batches): nothing to read
+        return {}
     A = advantages.unsqueeze(1).expand_as(ratio)
     low, high = (ratio < 1 - clip_eps_low) & (A < 0), (ratio > 1 + clip_eps_high) & (A > 0)
     values = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "entropy": entropy}
