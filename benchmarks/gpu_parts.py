@@ -112,14 +112,14 @@ def tiny_trainer(output_dir, **settings):
 
 
 def resume_check(opts, fsdp=False):
-    """A reference run of 4 steps; the same run stopped by SIGTERM in step 3 (its checkpoint holds buffered groups and
+    """A reference run of 2 steps; the same run stopped by SIGTERM in step 1 (its checkpoint holds buffered groups and
     a rollout with one of its two steps done); a new trainer resumes it: every restored tensor on the model's device,
-    steps 1-4 logged once, the final weights against the reference's."""
+    steps 1-2 logged once, the final weights against the reference's."""
     from dapo_utils.checkpoints import resume_run
     from dapo_utils.curves import read_jsonl
 
     out = opts.out or tempfile.mkdtemp(prefix="gpu_check_resume_")
-    settings = dict(device=opts.device, fsdp=fsdp, max_steps=4, steps_per_generation=2, generation_batch_size=6)
+    settings = dict(device=opts.device, fsdp=fsdp, max_steps=2, steps_per_generation=2, generation_batch_size=6)
     settings |= dict(filter_metric="none", max_generate_length=16, lr=1e-4, eval_samples=4, save_steps=100)
     reference = tiny_trainer(os.path.join(out, "reference"), **settings)
     reference.train()
@@ -128,8 +128,8 @@ def resume_check(opts, fsdp=False):
     stopped = tiny_trainer(os.path.join(out, "stopped"), **settings)
     step = stopped.optimizer.step
 
-    def step_with_sigterm(*args, **kwargs):  # what SLURM or Kubernetes sends before a kill, in step 3
-        if stopped.state.update_steps == 2 and not stopped.stop_requested:
+    def step_with_sigterm(*args, **kwargs):  # what SLURM or Kubernetes sends before a kill, in step 1
+        if stopped.state.update_steps == 0 and not stopped.stop_requested:
             os.kill(os.getpid(), signal.SIGTERM)
         return step(*args, **kwargs)
 
@@ -141,7 +141,7 @@ def resume_check(opts, fsdp=False):
     except KeyboardInterrupt:  # trainer.stop(): after its checkpoint
         pass
     print(printed.getvalue(), end="")
-    checkpoint = os.path.join(out, "stopped", "checkpoint_3")
+    checkpoint = os.path.join(out, "stopped", "checkpoint_1")
     resumed = tiny_trainer(os.path.join(out, "stopped"), **settings)
     resume_run(resumed, checkpoint)
     state = resumed.state
@@ -155,15 +155,15 @@ def resume_check(opts, fsdp=False):
     resumed.train()
     steps = [r["step"] for r in read_jsonl(os.path.join(out, "stopped", "metrics.jsonl"))]
     gap = max((final[k] - v.detach().float().cpu()).abs().max().item() for k, v in full_state(resumed).items())
-    print(f"  checkpoint_3 after SIGTERM in step 3: {held}; restored on {devices}, the model on {model_device}")
+    print(f"  checkpoint_1 after SIGTERM in step 1: {held}; restored on {devices}, the model on {model_device}")
     print(f"  the resumed run's final weights against the uninterrupted run's: max |difference| {gap:.3g}")
     hint = "torchrun --nproc_per_node=1 train.py --resume=" if fsdp else "python train.py --resume="
     check([
         (hint in printed.getvalue(), f"the stop message's command: {hint}..."),
         (half_done, "a checkpoint with buffered groups and a half-done rollout"),
         (bool(restored) and devices == [model_device], "every restored tensor on the model's device"),
-        (steps == [1, 2, 3, 4], f"steps logged once each: {steps}"),
-        (resumed.state.update_steps == 4 and gap == gap, "the resumed run finished step 4 with finite weights"),
+        (steps == [1, 2], f"steps logged once each: {steps}"),
+        (resumed.state.update_steps == 2 and gap == gap, "the resumed run finished step 2 with finite weights"),
     ])  # fmt: skip
 
 
