@@ -42,7 +42,7 @@ def setup(device="cpu", num_threads=0, timeout=1800):
     the seconds a collective waits for the other ranks (DapoArguments.ddp_timeout; NCCL's own default is 10
     minutes, shorter than rank 0 alone writing a 1.5B model's checkpoint on slow storage)."""
     torch.set_num_threads(num_threads or torch.get_num_threads())
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # (torchrun --fsdp with one process: fully_shard starts a group)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # (torchrun --fsdp, 1 process: init_device_mesh makes a group)
         return World(device="cuda" if device.startswith("cuda") else "cpu")
     if not dist.is_initialized():
         if device.startswith("cuda"):
