@@ -199,6 +199,7 @@ class DapoArguments:
     merge_lora: bool = arg(False, "LoRA: also write output_dir/merged, base + adapters, a model loadable alone (TRL)")
     # --- several processes (torchrun) ---
     fsdp: bool = arg(False, "under torchrun, shard parameters, gradients and Adam states over the processes (FSDP2)")
+    ddp_timeout: int = arg(1800, "seconds a process waits for the others in a collective (Hugging Face's)", at_least=1)
 
     def __post_init__(self):
         self.system_prompt = read_system_prompt(self.system_prompt)  # @FILE: its text, as dapo_args.json keeps it
@@ -382,7 +383,7 @@ class DapoTrainer:
     ):  # fmt: skip
         self.args = args = args if args is not None else DapoArguments()
         args.validate()  # again: users may have edited fields after construction
-        self.world = distributed.setup(args.device)  # torchrun / accelerate launch: this process's rank
+        self.world = distributed.setup(args.device, timeout=args.ddp_timeout)  # torchrun: this process's rank
         torch.manual_seed(args.seed + self.world.rank)  # each rank samples differently; the prompt order does not
         # Policy in float32: transformers 5 loads a bf16 checkpoint as bf16, where Adam's 1e-6 steps round
         # away. Forward passes may still autocast to bf16 on CUDA (args.bf16).
@@ -422,7 +423,7 @@ class DapoTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor)
         # Sampling is explicit: a model's own generation config (greedy, repetition penalty, ...) must not
         # change the behaviour policy. generate runs greedy over SampleKeptTokens, which draws.
-        self.logits_processor = sampling_processors(args.temperature, args.top_k, args.top_p)
+        self.logits_processor = sampling_processors(args.temperature, args.top_k, args.top_p, args.device)
         self.generation_config = GenerationConfig(
             do_sample=False, max_new_tokens=args.max_generate_length, eos_token_id=self.eos_token_ids,
             pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.model.generation_config.bos_token_id,
@@ -647,8 +648,8 @@ class DapoTrainer:
         start = time.perf_counter()
         loss, metrics = self.compute_loss(model, inputs, normaliser, return_metrics=True)
         loss.backward()
-        num_tokens = int(inputs.action_mask.sum())
-        return metrics | {"loss": loss.item(), "num_tokens": num_tokens, "time/training": time.perf_counter() - start}
+        loss, num_tokens = torch.stack([loss.detach().double(), inputs.action_mask.sum().double()]).tolist()  # 1 read
+        return metrics | {"loss": loss, "num_tokens": int(num_tokens), "time/training": time.perf_counter() - start}
 
     # ---- 4.6 Algorithm 1 ----
     def train(self):
@@ -775,7 +776,8 @@ class DapoTrainer:
     def stop(self):
         """Ctrl-C or SIGTERM (deferred_interrupts): a checkpoint of where the loop is, the command that resumes."""
         path = save_run_checkpoint(self)
-        say(f"stopped; continue with: {distributed.launcher(self.state.world_size)} --resume={path}")
+        launch = distributed.launcher(self.state.world_size, self.world.fsdp)
+        say(f"stopped; continue with: {launch} --resume={path}")
         raise KeyboardInterrupt
 
     # ---- 4.7 logging ----
@@ -790,8 +792,9 @@ class DapoTrainer:
         }
         record |= self.eval_record if self.state.update_steps % self.args.eval_steps == 0 else {}  # evaluated now
         record["truncated_prompts"] = self.world.sum(self.state.truncated_prompts)  # every rank's, whole run
-        if self.args.device.startswith("cuda"):
-            record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        if self.args.device.startswith("cuda"):  # this step's peak: the counter starts again after each record
+            record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.args.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.args.device)
         self.history.append(record)
         self.append_line("metrics.jsonl", json.dumps(record, ensure_ascii=False))
         self.tracker.log(record)

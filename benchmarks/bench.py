@@ -300,6 +300,7 @@ def run_config(opts, world, name):
         trainer = make_trainer(opts, world, output_dir, name)
         build_seconds = time.perf_counter() - start  # with use_vllm: mostly vLLM's start-up
         log_step, train_step, clock, widths, base = trainer.log_step, trainer.train_step, [0.0], [], [0]
+        peaks = [0, 0]  # CUDA: the largest allocated and reserved peaks of the measured steps (log_step resets them)
         tokens = [0, 0, 0]  # real and processed tokens of the training passes since the last step, most in one pass
 
         def set_response_budget(tokens):  # generate reads generation_config, vLLM args.max_generate_length
@@ -307,9 +308,14 @@ def run_config(opts, world, name):
 
         def start_measuring():
             set_response_budget(opts.max_generate_length)
-            base[0] = start_peak_memory(cuda)
+            base[0], peaks[:] = start_peak_memory(cuda), [0, 0]
 
         def timed_log_step(metrics):
+            if cuda:  # before log_step starts the counters again for the next step
+                peaks[:] = (
+                    max(peaks[0], torch.cuda.max_memory_allocated()),
+                    max(peaks[1], torch.cuda.max_memory_reserved()),
+                )
             log_step(metrics)
             synchronize(opts.device)
             trainer.history[-1].update({"bench/wall": time.perf_counter() - clock[0], "bench/widths": list(widths)})
@@ -352,7 +358,7 @@ def run_config(opts, world, name):
         result = {key: sum(r.get(key, 0.0) for r in measured) / len(measured) for key in keys}
         result["bench/max_pass_tokens"] = max(r["bench/max_pass_tokens"] for r in measured)
         result["widths"] = sorted({tuple(w) for r in measured for w in r["bench/widths"]})
-        result["peak_bytes"] = peak_memory(cuda)
+        result["peak_bytes"] = max(peak_memory(cuda), peaks[0])
         result["peak_delta_bytes"] = result["peak_bytes"] - base[0]
         result["build_seconds"] = build_seconds
         gaps = [r["vllm/logprob_diff_max"] for r in measured if "vllm/logprob_diff_max" in r]
@@ -361,7 +367,7 @@ def run_config(opts, world, name):
             free, total = torch.cuda.mem_get_info()
             outside = (total - free) - torch.cuda.memory_reserved()
             result["device_total_bytes"] = total
-            result["device_peak_estimate_bytes"] = torch.cuda.max_memory_reserved() + max(outside, 0)
+            result["device_peak_estimate_bytes"] = max(torch.cuda.max_memory_reserved(), peaks[1]) + max(outside, 0)
     return result
 
 

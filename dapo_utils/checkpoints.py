@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dapo_utils.curves import in_words, read_jsonl, read_step_log, subfolders
+from dapo_utils.distributed import to_device
 from dapo_utils.writes import WRITE_ERRORS, WriteFailed, why, writing
 
 TRAINER_STATE = "trainer_state.pt"  # in the newest checkpoint: optimizer, scheduler, loop state, RNG
@@ -118,7 +119,7 @@ def save_checkpoint(trainer, model_state=None, optimizer_state=None):
     try:
         trainer.model.save_pretrained(tmp, state_dict=model_state)
         trainer.tokenizer.save_pretrained(tmp)
-        cuda_rng = torch.cuda.get_rng_state_all() if args.device.startswith("cuda") else []
+        cuda_rng = torch.cuda.get_rng_state(args.device) if args.device.startswith("cuda") else None  # this GPU's
         optimizer_state = trainer.optimizer.state_dict() if optimizer_state is None else optimizer_state
         state = {"optimizer": optimizer_state, "scheduler": trainer.scheduler.state_dict()}
         state.update(loop=trainer.state.state_dict(), rng=torch.get_rng_state(), cuda_rng=cuda_rng)
@@ -218,9 +219,8 @@ def resume(trainer, checkpoint, cut_logs=True):
     """Continue from a checkpoint: weights, optimizer, scheduler, loop position and RNG. Optimizer settings
     given anew (lr, weight_decay, warmup_steps, max_grad_norm) apply from here on; a changed STEP_SETTINGS
     field is refused. Only then are the logs cut back to the checkpoint's step, so that no line repeats."""
-    args, world = trainer.args, trainer.world  # --fsdp: full states in CPU memory, each rank keeps its shard
-    device = "cpu" if world.fsdp else args.device
-    saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location=device, weights_only=True)
+    args, world = trainer.args, trainer.world  # read into CPU memory: --fsdp keeps full states there, a rank its shard
+    saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location="cpu", weights_only=True)
     written = saved.get("step_settings")  # as the run had them, whatever an edit of dapo_args.json says
     if written is None:  # a checkpoint of an earlier version: its arguments file
         with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as f:
@@ -248,10 +248,11 @@ def resume(trainer, checkpoint, cut_logs=True):
     trainer.scheduler.base_lrs = [args.lr] * len(settings)
     for group, setting in zip(trainer.optimizer.param_groups, settings):  # this run's settings, not the saved ones
         group.update(setting, lr=args.lr * trainer.scheduler.lr_lambdas[0](trainer.scheduler.last_epoch))
-    trainer.state.load_state_dict(saved["loop"])
-    torch.set_rng_state(saved["rng"].cpu())
-    if saved["cuda_rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in saved["cuda_rng"]])
+    # The optimizer's states went to their parameters' device (load_state_dict); the buffered groups and the
+    # unfinished rollout go to the run's, where the next micro-batch meets the model's hidden states.
+    trainer.state.load_state_dict(to_device(saved["loop"], args.device))
+    torch.set_rng_state(saved["rng"])
+    set_cuda_rng(saved["cuda_rng"], args.device)
     trainer.resumed = True
     step, out = trainer.state.update_steps, args.output_dir
     if not cut_logs:  # another process of this run writes the logs
@@ -271,7 +272,7 @@ def save_run_checkpoint(trainer):
     state and RNG in the loop state's "ranks"; --fsdp gathers the full model and optimizer states first (every
     rank takes part). Returns its path on every rank."""
     world = trainer.world
-    if world.size == 1:
+    if world.size == 1 and not world.fsdp:  # (--fsdp in one process: its states are gathered all the same)
         return save_checkpoint(trainer)
     model_state = world.full_model_state(trainer.model)  # --fsdp: gathered to rank 0; else None (the model's own)
     optimizer_state = world.full_optimizer_state(trainer.model, trainer.optimizer)
@@ -292,7 +293,7 @@ def resume_run(trainer, checkpoint):
     state and RNG. Rank 0 alone cuts the logs back, first; the others wait for it (under --fsdp they load
     with it, then wait)."""
     world = trainer.world
-    if world.size == 1:
+    if world.size == 1 and not world.fsdp:
         return resume(trainer, checkpoint)
     if not world.is_main and not world.fsdp:  # --fsdp: loading the shards is collective, all ranks at once
         world.from_rank_0(None)
@@ -305,8 +306,21 @@ def resume_run(trainer, checkpoint):
     del trainer.state.ranks
     trainer.state.load_state_dict(mine["loop"])
     torch.set_rng_state(mine["rng"].cpu())
-    if mine["cuda_rng"] is not None and world.device == "cuda":
-        torch.cuda.set_rng_state(mine["cuda_rng"].cpu())
+    set_cuda_rng(mine["cuda_rng"], trainer.args.device)
+
+
+def set_cuda_rng(state, device):
+    """The RNG state of the run's GPU (device: "cuda" is the current one), as the checkpoint saved it; None: a CPU
+    run's. A checkpoint written before holds a list, every visible GPU's: this device's entry is taken, so that a
+    resume with fewer visible GPUs (another node, another CUDA_VISIBLE_DEVICES) does not fail."""
+    if not (device.startswith("cuda") and torch.cuda.is_available()) or state is None:
+        return
+    if isinstance(state, list):
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        state = state[index] if index < len(state) else None
+    if state is not None:
+        torch.cuda.set_rng_state(state.cpu(), device)
 
 
 def cut_log(path, keep):

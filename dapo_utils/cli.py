@@ -49,7 +49,7 @@ def check_arguments(args):
     values = dataclasses.asdict(args).items()
     errors += [f"{k} must be finite, not {v}" for k, v in values if isinstance(v, float) and not math.isfinite(v)]
     vllm = not args.use_vllm  # True: the use_vllm checks pass
-    processes = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
+    launched = "WORLD_SIZE" in os.environ  # by torchrun or accelerate launch, of any number of processes
     tracker = args.report_to if args.report_to in ("tensorboard", "wandb", "trackio") else None  # a package
     checks = [
         (args.num_generations >= 2, "num_generations must be >= 2 (a group needs two responses to compare)"),
@@ -82,8 +82,8 @@ def check_arguments(args):
         ),
         (not args.lora_r or not args.fsdp, "fsdp with lora_r > 0 is not supported: train the adapters without --fsdp"),
         (
-            not args.fsdp or processes > 1,
-            "fsdp shards over processes: torchrun --nproc_per_node=N train.py --fsdp=true",
+            not args.fsdp or launched,
+            "fsdp shards over the processes torchrun starts: torchrun --nproc_per_node=N train.py --fsdp=true",
         ),
         # vLLM's log-probs at T != 1 (processed_logprobs) are of the top-k/top-p-truncated distribution, pi_old's not
         (

@@ -22,7 +22,6 @@ import json
 import math
 import os
 
-import datasets
 from torch.utils.data import Dataset
 
 from dapo_utils.answers import normalize_answer, parse_number
@@ -115,6 +114,8 @@ def load_split(data_path, split, test_size, columns, answer_format="number"):
 def read_data_set(data_path, split):
     """{split: rows} of a folder or file (the module docstring's layouts). A JSON-lines or CSV file with a line
     that does not read is named with the line (malformed_line)."""
+    import datasets  # here, not at the top: train.py loads without it (gpu_check.sh's parts keep rows in memory)
+
     if os.path.isfile(data_path):
         builder = FILE_BUILDERS.get(os.path.splitext(data_path)[1].lower())
         if builder is None:
@@ -156,6 +157,8 @@ def load_splits_apart(data_path, split, error):
     """The data set's splits read one by one, for splits whose columns differ (datasets reads a folder's
     splits under one schema): a warning names the columns in which `split` differs from "train". A split that
     does not read by itself either gets the one line of an empty or damaged file."""
+    import datasets
+
     try:
         builder = datasets.load_dataset_builder(data_path)
         files = builder.config.data_files

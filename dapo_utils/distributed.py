@@ -24,6 +24,7 @@ How a step is shared (see setup's World for each piece):
 
 import atexit
 import contextlib
+import datetime
 import os
 import sys
 from collections import defaultdict
@@ -34,17 +35,20 @@ import torch.distributed as dist
 GRAD_BUCKET = 2**24  # gradient elements per all-reduce (64 MB of float32)
 
 
-def setup(device="cpu", num_threads=0):
+def setup(device="cpu", num_threads=0, timeout=1800):
     """This process's World: one process when WORLD_SIZE is unset or 1; else join (or reuse) the process
     group: NCCL when the device is CUDA (each process on cuda:LOCAL_RANK), gloo on CPU. num_threads > 0: torch's
-    CPU threads (a CPU's sums, and so the samples, depend on their number; 0 keeps torch's default)."""
+    CPU threads (a CPU's sums, and so the samples, depend on their number; 0 keeps torch's default). timeout:
+    the seconds a collective waits for the other ranks (DapoArguments.ddp_timeout; NCCL's own default is 10
+    minutes, shorter than rank 0 alone writing a 1.5B model's checkpoint on slow storage)."""
     torch.set_num_threads(num_threads or torch.get_num_threads())
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return World()
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # (torchrun --fsdp, 1 process: init_device_mesh makes a group)
+        return World(device="cuda" if device.startswith("cuda") else "cpu")
     if not dist.is_initialized():
         if device.startswith("cuda"):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     return World(dist.get_rank(), dist.get_world_size(), "cuda" if device.startswith("cuda") else "cpu")
 
@@ -65,9 +69,9 @@ def end_of_run():
         os._exit(0)
 
 
-def launcher(processes):
-    """How to start a run of this many processes: the command a resume must repeat."""
-    return "python train.py" if processes == 1 else f"torchrun --nproc_per_node={processes} train.py"
+def launcher(processes, fsdp=False):
+    """How to start a run of this many processes: the command a resume must repeat (--fsdp: torchrun, even for 1)."""
+    return "python train.py" if processes == 1 and not fsdp else f"torchrun --nproc_per_node={processes} train.py"
 
 
 def step_slice(items, index, parts):
@@ -98,14 +102,19 @@ def balanced_shares(counts, total):
     return shares
 
 
-def to_cpu(value):
+def to_device(value, device):
+    """value with every tensor in it (in dicts, lists and tuples, nested) on device."""
     if isinstance(value, torch.Tensor):
-        return value.cpu()
+        return value.to(device)
     if isinstance(value, dict):
-        return {key: to_cpu(v) for key, v in value.items()}
+        return {key: to_device(v, device) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(to_cpu(v) for v in value)
+        return type(value)(to_device(v, device) for v in value)
     return value
+
+
+def to_cpu(value):
+    return to_device(value, "cpu")
 
 
 class World:

@@ -1,7 +1,7 @@
 """The measured speed-ups train.py relies on (benchmarks/bench.py and benchmarks/log_probs.py,
 docs/performance.md): each computes exactly what the plain version computes, with less time and memory.
 
-    sampling_processors / SampleKeptTokens   draw each token among the ids top-k / top-p keep (19% less
+    sampling_processors / SampleKeptTokens   on CPU, draw each token among the ids top-k / top-p keep (19% less
                                              sampling time than generate's multinomial over 151,936 ids)
     generate_sharing_prompts                 the G copies of a prompt share one forward pass over it
     output_layer_scores / log_probs_from_hidden   log-probs of the labels and the entropy from the last hidden
@@ -33,11 +33,16 @@ class SampleKeptTokens(LogitsProcessor):
     generate's torch.multinomial walks all 151,936 ids of Qwen's vocabulary (a third of a CPU decode step);
     over the ~50 that top-k keeps it costs nothing. Same distribution (ties at the top-k boundary included),
     other random draws. Returns 0 at the drawn token and -inf elsewhere, for generate's greedy argmax.
+    shortlist=False (CUDA): generate's own multinomial over every id, because the shortlist's size is read back
+    to the host, a device sync in every decode step, and a GPU's multinomial over V is cheap.
     """
 
+    def __init__(self, shortlist=True):
+        self.shortlist = shortlist
+
     def __call__(self, input_ids, scores):  # scores: [N, V], -inf where a warper removed a token
-        num_kept = int(torch.isfinite(scores).sum(dim=-1).max())
-        if num_kept == scores.size(-1):  # nothing removed (top_k 0, top_p 1)
+        num_kept = int(torch.isfinite(scores).sum(dim=-1).max()) if self.shortlist else scores.size(-1)
+        if num_kept == scores.size(-1):  # nothing removed (top_k 0, top_p 1), or no shortlist
             drawn = torch.multinomial(scores.softmax(dim=-1), 1)  # [N, 1]
         else:
             kept_scores, kept_ids = scores.topk(num_kept, dim=-1)  # [N, K]
@@ -45,8 +50,9 @@ class SampleKeptTokens(LogitsProcessor):
         return torch.full_like(scores, -math.inf).scatter_(-1, drawn, 0.0)
 
 
-def sampling_processors(temperature, top_k, top_p):
-    """Hugging Face's own warpers, in generate's order, then SampleKeptTokens (for greedy generate)."""
+def sampling_processors(temperature, top_k, top_p, device="cpu"):
+    """Hugging Face's own warpers, in generate's order, then SampleKeptTokens (for greedy generate; on CUDA
+    without the shortlist, which would read back to the host in every decode step)."""
     processors = LogitsProcessorList()
     if temperature != 1.0:
         processors.append(TemperatureLogitsWarper(temperature))
@@ -54,7 +60,7 @@ def sampling_processors(temperature, top_k, top_p):
         processors.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         processors.append(TopPLogitsWarper(top_p))
-    processors.append(SampleKeptTokens())
+    processors.append(SampleKeptTokens(shortlist=not str(device).startswith("cuda")))
     return processors
 
 
@@ -86,9 +92,11 @@ POSITIONS_PER_BLOCK, ROWS_PER_PASS = 512, 32
 
 def block_logits(hidden, weight, temperature):
     """Logits of a block of positions as the output layer makes them (hidden [C, H] @ weight [V, H]^T, in the
-    weight's dtype: bf16 under autocast), divided by the temperature in that dtype, then in float32: [C, V]."""
-    logits = hidden.to(weight.dtype) @ weight.T
-    return (logits if temperature == 1.0 else logits.div_(temperature)).float()  # in place: one [C, V] at a time
+    weight's dtype: bf16 under autocast), then in float32, divided by the temperature there: [C, V]. Float32, as
+    generate's TemperatureLogitsWarper and vLLM's sampler divide them: bf16 logits / 0.7 round to bf16 again, and
+    the log-probs moved by 0.03 nats on average (more than the sampler/learner gap the stale-weight guard reads)."""
+    logits = (hidden.to(weight.dtype) @ weight.T).float()
+    return logits if temperature == 1.0 else logits.div_(temperature)  # in place: one [C, V] float32 at a time
 
 
 def pieces(*tensors):
@@ -176,9 +184,10 @@ class LogProbsFromHidden(torch.autograd.Function):
             at = slice(s, s + POSITIONS_PER_BLOCK)
             x = block_logits(hidden[at], w, tau) if ctx.kept is None else ctx.kept  # [C, V], as in forward
             ctx.kept = None
-            grad_z = log_softmax_grad_(x, lse[at], labels[at], grad_log_probs[at]).to(ctx.dtype)  # [C, V]
+            grad_z = log_softmax_grad_(x, lse[at], labels[at], grad_log_probs[at])  # [C, V] float32
             if tau != 1.0:
-                grad_z.div_(tau)  # through logits / temperature; in place: x is not read again
+                grad_z.div_(tau)  # through logits / temperature, in float32 as forward; in place: x is not read again
+            grad_z = grad_z.to(ctx.dtype)
             if grad_hidden is not None:
                 grad_hidden[at] = grad_z @ w
             if ctx.needs_input_grad[1]:  # W's gradient: one [V, H] float32 sum, no product per block beside it

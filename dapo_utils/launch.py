@@ -67,7 +67,7 @@ def command(cli, given, arguments_class, build_args, build_trainer, run, rewards
         sys.exit(status)
     if cli.eval_only:  # checked before anything loads
         models = check_eval_only(args, cli.compare)
-    world = distributed.setup(args.device, args.num_threads)  # torchrun: rank 0 alone prepares the folders
+    world = distributed.setup(args.device, args.num_threads, args.ddp_timeout)  # torchrun: rank 0 prepares the folders
     hold = (args.output_dir, cli.take_over_lock, world.is_main, checkpoint is not None)  # a resume takes a dead lock
     with hold_output_dir(*hold):  # rank 0 holds it for the run
         if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature

@@ -47,7 +47,6 @@ import re
 import shlex
 import shutil
 
-import datasets
 import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -168,6 +167,8 @@ def make_splits(num_train: int, num_test: int, seed: int) -> dict[str, list[dict
 
 def write_dataset(data_dir: str, num_train: int, num_test: int, seed: int = 0) -> str:
     """Write train/test parquet files laid out like the Hub repo, for load_dataset(data_dir)."""
+    import datasets  # here, not at the top: the rest of this module works without it (gpu_check.sh's parts)
+
     os.makedirs(os.path.join(data_dir, "data"), exist_ok=True)
     for split, rows in make_splits(num_train, num_test, seed).items():
         path = os.path.join(data_dir, "data", f"{split}-00000-of-00001.parquet")

@@ -56,15 +56,18 @@ def step_record(step, metrics):
 def loss_diagnostics(ratio, advantages, entropy, kl, action_mask, clip_eps_low, clip_eps_high):
     """A micro-batch's diagnostics over its response tokens ({} if all were filtered out): the share of tokens
     clipped below (A < 0) and above (A > 0) by Eq. (10), the entropy and, when kl is given, the k3 KL.
-    ratio, entropy, kl, action_mask: [N, T]; advantages: [N]."""
+    ratio, entropy, kl, action_mask: [N, T]; advantages: [N]. One read from the device for all of them (on CUDA
+    each read waits for the queued kernels)."""
     mask = action_mask.bool()
-    if not mask.any():
+    if not mask.numel():  # no response row (--fsdp's placeholder micro-batches): nothing to read
         return {}
     A = advantages.unsqueeze(1).expand_as(ratio)
     low, high = (ratio < 1 - clip_eps_low) & (A < 0), (ratio > 1 + clip_eps_high) & (A > 0)
-    metrics = {"clip_ratio/low_mean": low[mask].float().mean().item()}
-    metrics |= {"clip_ratio/high_mean": high[mask].float().mean().item(), "entropy": entropy[mask].mean().item()}
-    return metrics | ({} if kl is None else {"kl": kl[mask].mean().item()})
+    values = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "entropy": entropy}
+    values |= {} if kl is None else {"kl": kl}
+    sums = [torch.where(mask, value, 0).sum(dtype=torch.float64) for value in values.values()]  # over the tokens
+    *sums, count = torch.stack([*sums, mask.sum(dtype=torch.float64)]).tolist()
+    return {name: total / count for name, total in zip(values, sums)} if count else {}
 
 
 def percentile(ranked, q):

@@ -81,13 +81,14 @@ def full_weights(model):
         yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
 
 
-def write_model_folder(model, folder, weights):
+def write_model_folder(model, folder, weights, dtype):
     """model's configs and `weights` ((name, tensor) pairs: policy_weights) as a Hugging Face folder that vLLM
-    starts from. Not save_pretrained: under torch.distributed it writes on rank 0 alone, and every rank starts an
-    engine."""
+    starts from, in the engine's dtype: the CPU copy and the file are half the float32 policy's size in bf16
+    (3.1 GB, not 6.2 GB, per rank at 1.5B). Not save_pretrained: under torch.distributed it writes on rank 0 alone,
+    and every rank starts an engine."""
     model.config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
-    weights = {name: tensor.cpu().contiguous() for name, tensor in weights}
+    weights = {name: tensor.to("cpu", dtype).contiguous() for name, tensor in weights}
     safetensors.torch.save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -197,7 +198,7 @@ class VllmSampler:
         self.model_dir = tempfile.mkdtemp(prefix="vllm_sampler_")
         self.lora_rank = lora_rank  # > 0: vLLM holds the base and gets the adapters alone after each step
         self.remove_model_dir = weakref.finalize(self, shutil.rmtree, self.model_dir, True)  # when freed, or at exit
-        write_model_folder(model, self.model_dir, policy_weights(model, merge=not lora_rank))
+        write_model_folder(model, self.model_dir, policy_weights(model, merge=not lora_rank), dtype)
         on_cuda = str(device).startswith("cuda")
         self.rng = random.Random(seed)  # per-request seeds: reproducible, independent of torch's RNG
         # vLLM seeds Python's, NumPy's and torch's global RNGs while it starts; keep the trainer's.
@@ -345,7 +346,8 @@ class VllmSampler:
         seeds: one vLLM request seed per row (rollout_seeds); None: the sampler's own (evaluation)."""
         if self.sleep_between_rollouts:
             self.wake_up()
-        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+        rows = zip(input_ids.tolist(), attention_mask.tolist())  # one read from the device, not one per row
+        prompts = [[token for token, real in zip(ids, mask) if real] for ids, mask in rows]
         sampling = (temperature, top_p, top_k, max_tokens, stop_token_ids, seeds)
         responses, log_probs = self.generate(prompts, 1, *sampling)
         if self.sleep_between_rollouts:

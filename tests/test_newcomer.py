@@ -61,7 +61,11 @@ def test_help_prints_each_option_once_in_its_group_before_torch_loads(monkeypatc
     options = lambda title: re.findall(r"^  (--\w+)", group(title), flags=re.M)  # noqa: E731
     assert options(MODES) == ["--demo", "--eval_only", "--compare", "--resume", "--plot", "--check_rewards"]
     assert options(TITLES[1]) == ["--output_dir", "--take_over_lock", "--overwrite_output_dir", "--device", "--seed"]
-    assert options(TITLES[-1]) == ["--fsdp"] and options("vLLM")[0] == "--use_vllm" and options("LoRA")[0] == "--lora_r"
+    assert (
+        options(TITLES[-1]) == ["--fsdp", "--ddp_timeout"]
+        and options("vLLM")[0] == "--use_vllm"
+        and options("LoRA")[0] == "--lora_r"
+    )
     fields = [f.name for f in dataclasses.fields(DapoArguments)]
     listed = re.findall(r"^  (-\S+)", text, flags=re.M)  # every option at the start of its line: each once
     assert sorted(listed) == sorted(

@@ -200,7 +200,7 @@ def test_log_probs_from_hidden_equal_the_reference_formula(dtype):
         log_probs, entropy = kernels.log_probs_from_hidden(h, w, labels, temperature=0.7)
         (log_probs * weights).sum().backward()
     h0, w0 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    full = F.log_softmax((h0.to(dtype) @ w0.T / 0.7).float(), dim=-1)  # the seed's formula, in float32
+    full = F.log_softmax((h0.to(dtype) @ w0.T).float() / 0.7, dim=-1)  # the logits in float32, then / T (as vLLM)
     reference = full.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     (reference * weights).sum().backward()
     assert log_probs.dtype == entropy.dtype == torch.float32 and not entropy.requires_grad
