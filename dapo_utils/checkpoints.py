@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dapo_utils import distributed
 from dapo_utils.curves import in_words, read_jsonl, read_step_log, subfolders
 from dapo_utils.writes import WRITE_ERRORS, WriteFailed, why, writing
 
@@ -30,7 +31,8 @@ CHECKSUMS = "checksums.json"  # in each checkpoint: {file: sha256}, checked on r
 # in output_dir
 LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl", "evaluations.jsonl")
 # What one optimizer step is made of: changing one of these on resume would silently change the run.
-STEP_SETTINGS = ("num_generations", "batch_size", "gradient_accumulation_steps", "steps_per_generation")
+# (and gradient_accumulation_steps times the number of processes: resume checks it)
+STEP_SETTINGS = ("num_generations", "batch_size", "steps_per_generation")
 STEP_SETTINGS += ("num_iterations", "loss_agg_mode", "filter_metric", "seed", "use_vllm")
 STEP_SETTINGS += ("lora_r", "lora_alpha", "lora_target_modules")  # the adapters' shapes and scale
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: the folder holds LoRA adapters (lora.py), not a whole model
@@ -186,7 +188,8 @@ def fits(value, kind):
 def resume(trainer, checkpoint, cut_logs=True):
     """Continue from a checkpoint: weights, optimizer, scheduler, loop position and RNG. Optimizer settings
     given anew (lr, weight_decay, warmup_steps, max_grad_norm) apply from here on; a changed STEP_SETTINGS
-    field is refused. Only then are the logs cut back to the checkpoint's step, so that no line repeats."""
+    field is refused, and so is another step size: another number of processes resumes with as many micro-batches
+    a step over all of them. Only then are the logs cut back to the checkpoint's step, so that no line repeats."""
     args = trainer.args
     with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as f:
         saved_args = json.load(f)
@@ -200,6 +203,9 @@ def resume(trainer, checkpoint, cut_logs=True):
     world = trainer.world  # --fsdp: full states in CPU memory, each rank keeps its shard
     device = "cpu" if world.fsdp else args.device
     saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location=device, weights_only=True)
+    step_change = other_step_size(saved_args, saved["loop"].get("world_size", 1), args, world.size)
+    if step_change:
+        raise ValueError(f"cannot resume {checkpoint}: {step_change}")
     if args.lora_r:  # the adapters; the frozen base is model_path's
         from dapo_utils.lora import load_adapters
 
@@ -231,6 +237,22 @@ def resume(trainer, checkpoint, cut_logs=True):
     trainer.last_accuracy = accuracies[max(accuracies)] if accuracies else float("nan")
 
 
+def other_step_size(saved_args, processes, args, size):
+    """'' when a run of `size` processes with args takes the step a checkpoint's run took (saved_args over
+    `processes` processes): as many micro-batches over all processes. Else what differs, and the settings that
+    resume it."""
+    before, now = saved_args.get("gradient_accumulation_steps", 1), args.gradient_accumulation_steps
+    if before * processes == now * size:
+        return ""
+    fixes = [f"{distributed.launcher(processes)} --gradient_accumulation_steps={before}"]  # as it ran
+    if before * processes % size == 0:  # this number of processes, each with its share of the step
+        fixes.insert(0, f"--gradient_accumulation_steps={before * processes // size}")
+    return (
+        f"its steps were {before} micro-batches on each of {processes} process(es), this run's {now} on each of "
+        f"{size}: resume with {' or with '.join(fixes)}"
+    )
+
+
 def save_run_checkpoint(trainer):
     """save_checkpoint, under any number of processes (trainer.world): rank 0 writes it, with every rank's loop
     state and RNG in the loop state's "ranks"; --fsdp gathers the full model and optimizer states first (every
@@ -254,11 +276,9 @@ def save_run_checkpoint(trainer):
 
 def resume_run(trainer, checkpoint):
     """resume, under any number of processes (trainer.world): every rank loads the checkpoint, then its own loop
-    state and RNG. Rank 0 alone cuts the logs back, first; the others wait for it (under --fsdp they load
-    with it, then wait)."""
+    state and RNG, regrouped when another number of processes wrote it (distributed.regrouped). Rank 0 alone cuts
+    the logs back, first; the others wait for it (under --fsdp they load with it, then wait)."""
     world = trainer.world
-    if world.size == 1:
-        return resume(trainer, checkpoint)
     if not world.is_main and not world.fsdp:  # --fsdp: loading the shards is collective, all ranks at once
         world.from_rank_0(None)
     try:
@@ -266,10 +286,16 @@ def resume_run(trainer, checkpoint):
     finally:
         if world.is_main or world.fsdp:
             world.from_rank_0(None)
-    mine = trainer.state.ranks[world.rank]
-    del trainer.state.ranks
+    saved = vars(trainer.state).pop("ranks", None)  # each writing rank's loop state and RNG (several processes)
+    if saved is None and world.size == 1:  # one process resumes its own checkpoint: resume restored it all
+        return
+    saved = saved or [{"loop": trainer.state.state_dict(), "rng": torch.get_rng_state(), "cuda_rng": None}]
+    mine = distributed.regrouped(saved, world.rank, world.size, trainer.args.steps_per_generation)
     trainer.state.load_state_dict(mine["loop"])
-    torch.set_rng_state(mine["rng"].cpu())
+    if mine["rng"] is None:  # a rank the writing run did not have: its own seed's stream, as a fresh run's rank
+        torch.manual_seed(trainer.args.seed + world.rank)
+    else:
+        torch.set_rng_state(mine["rng"].cpu())
     if mine["cuda_rng"] is not None and world.device == "cuda":
         torch.cuda.set_rng_state(mine["cuda_rng"].cpu())
 
@@ -298,8 +324,20 @@ def find_checkpoints(output_dir):
 
 
 def find_checkpoint(resume, output_dir):
-    """--resume=output/checkpoint_N, or --resume=latest: the newest one in output_dir. One that does not read
-    back is refused naming its damaged file and the newest intact checkpoint."""
+    """--resume=output/checkpoint_N; --resume=latest: the newest one in output_dir; --resume=auto (verl's
+    resume_mode auto, for launch scripts that restart): the newest intact one, or None when output_dir holds no
+    checkpoint (a fresh run). One that does not read back is refused naming its damaged file and the newest
+    intact checkpoint."""
+    if resume == "auto":
+        if not find_checkpoints(output_dir):
+            return None
+        intact = newest_intact_checkpoint(output_dir)
+        newest = checkpoint_path(output_dir, max(find_checkpoints(output_dir)))
+        if intact and intact != newest:  # a newer one that does not read back: say so, resume the intact one
+            print(f"{checkpoint_damage(newest)}: resuming {intact}, the newest intact checkpoint")
+        if intact:
+            return os.path.normpath(intact)
+        resume = "latest"  # none reads back: refused below, naming the newest one's damage
     if resume == "latest":
         if not find_checkpoints(output_dir):
             found, problem = subfolders(output_dir, find_checkpoints), f"no checkpoint to resume in {output_dir!r}"
@@ -370,14 +408,21 @@ def checksum_damage(folder):
     return ""
 
 
+def newest_intact_checkpoint(output_dir):
+    """The newest checkpoint_N of output_dir that reads back (checkpoint_damage), or None."""
+    for step in sorted(find_checkpoints(output_dir), reverse=True):
+        if not checkpoint_damage(checkpoint_path(output_dir, step)):
+            return checkpoint_path(output_dir, step)
+    return None
+
+
 def intact_checkpoint(output_dir):
     """What --resume can use after a damaged checkpoint: the newest one that reads back, else the newest
     weights that do (a new run can start from them)."""
-    steps = sorted(find_checkpoints(output_dir), reverse=True)
-    for step in steps:
-        if not checkpoint_damage(checkpoint_path(output_dir, step)):
-            return f"the newest intact checkpoint: --resume={checkpoint_path(output_dir, step)}"
-    for step in steps:
+    intact = newest_intact_checkpoint(output_dir)
+    if intact:
+        return f"the newest intact checkpoint: --resume={intact}"
+    for step in sorted(find_checkpoints(output_dir), reverse=True):
         if not checkpoint_damage(checkpoint_path(output_dir, step), needs=(ARGS_FILE,)):
             weights = checkpoint_path(output_dir, step)
             return (
@@ -442,14 +487,17 @@ def sigterm_as_ctrl_c():
 def deferred_interrupts(trainer):
     """First Ctrl-C or SIGTERM: the trainer finishes its optimizer step (or its sampling round), saves a
     checkpoint and stops (it reads trainer.stop_requested at each step end and between sampling rounds).
-    Second: stop at once."""
+    A second Ctrl-C: stop at once. A second SIGTERM changes nothing: a scheduler's comes twice (SLURM signals
+    every process of the job, and torchrun passes its own on to its workers), and its SIGKILL ends the grace."""
 
     def request_stop(signum, frame):
         if trainer.stop_requested:
-            raise KeyboardInterrupt
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
         trainer.stop_requested = True
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        tqdm.write(f"{name}: stopping after this step with a checkpoint ({name} again: stop now, no checkpoint)")
+        tqdm.write(f"{name}: stopping after this step with a checkpoint (Ctrl-C again: stop now, no checkpoint)")
 
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield

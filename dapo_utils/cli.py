@@ -113,7 +113,8 @@ def parse_cli(arguments_class, argv=None):
     modes.add_argument("--demo", action="store_true", help="train a tiny built-in world on CPU (no download)")
     modes.add_argument("--eval_only", action="store_true", help="evaluate model_path on the test split, no training")
     modes.add_argument("--compare", metavar="MODEL", help="with --eval_only: a second model, in a before/after table")
-    modes.add_argument("--resume", metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest'")
+    resume = "continue from output_dir/checkpoint_N, 'latest', or 'auto': the newest if any, else a fresh run"
+    modes.add_argument("--resume", metavar="CHECKPOINT", help=resume)
     modes.add_argument("--plot", metavar="DIR", help="draw DIR/curves.png from an existing output folder, then exit")
     modes.add_argument("--check_rewards", action="store_true", help="score each reference answer as a response, exit")
     modes.add_argument("--preset", choices=["seed", "paper"], default="seed", help="seed's or the paper's settings")
@@ -167,19 +168,30 @@ def one_switch_per_bool(parser):
             action.help = argparse.SUPPRESS
 
 
-def run_settings(cli, given, arguments_class):
-    """(overrides, checkpoint or None): what was given on the command line, over the checkpoint's settings
-    (--resume), over the demo's (--demo)."""
-    defaults, checkpoint = {}, None
-    if cli.demo:
-        from dapo_utils.tiny_world import DEMO_ARGS  # --preset paper too: the same world and steps
+def command_settings(cli, given):
+    """What was given on the command line, over the demo's settings (--demo): a run's settings but a checkpoint's."""
+    if not cli.demo:
+        return dict(given)
+    from dapo_utils.tiny_world import DEMO_ARGS  # --preset paper too: the same world and steps
 
-        defaults = dict(DEMO_ARGS)
-    if cli.resume:
-        output_dir = given.get("output_dir", defaults.get("output_dir", arguments_class.output_dir))
+    return DEMO_ARGS | given
+
+
+def run_settings(cli, given, arguments_class, world):
+    """(overrides, checkpoint or None): what was given on the command line, over the checkpoint's settings
+    (--resume; under torchrun rank 0 picks the checkpoint and reads its settings, and every rank follows: world),
+    over the demo's (--demo). --resume=auto with no checkpoint in output_dir: none, a fresh run."""
+    settings = command_settings(cli, given)
+    if not cli.resume:
+        return settings, None
+    output_dir = settings.get("output_dir", arguments_class.output_dir)
+
+    def resumed():
         checkpoint = find_checkpoint(cli.resume, output_dir)
-        defaults |= checkpoint_arguments(checkpoint, arguments_class)
-    return defaults | given, checkpoint
+        return checkpoint, checkpoint_arguments(checkpoint, arguments_class) if checkpoint else {}
+
+    checkpoint, saved = world.on_rank_0(resumed)
+    return {**settings, **saved, **given}, checkpoint
 
 
 def download_help(args):

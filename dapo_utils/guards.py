@@ -73,10 +73,10 @@ def check_rounds(trainer, metrics):
             f"{empty} sampling rounds in a row kept no group after step {state.update_steps}: {seen}; "
             f"{last_good_checkpoint(args.output_dir)} (max_empty_rounds={args.max_empty_rounds}; 0 = no limit)"
         )
-    if args.max_num_gen_batches and state.rounds >= args.max_num_gen_batches:
-        needed = args.batch_size * args.gradient_accumulation_steps * args.steps_per_generation
+    if args.max_num_gen_batches and state.rounds >= args.max_num_gen_batches:  # rounds: over all ranks, as held
+        needed = args.batch_size * args.gradient_accumulation_steps * args.steps_per_generation * trainer.world.size
         raise RunStopped(
-            f"{state.rounds} sampling rounds gave only {len(state.buffer)} of {needed} valid "
+            f"{state.rounds} sampling rounds gave only {trainer.world.sum(len(state.buffer))} of {needed} valid "
             f"groups: {starvation_advice(args)}, or raise max_num_gen_batches (0 = no limit)"
         )
 
