@@ -244,9 +244,9 @@ def other_step_size(saved_args, processes, args, size):
     before, now = saved_args.get("gradient_accumulation_steps", 1), args.gradient_accumulation_steps
     if before * processes == now * size:
         return ""
-    fixes = [f"{distributed.launcher(processes)} --gradient_accumulation_steps={before}"]  # as it ran
-    if before * processes % size == 0:  # this number of processes, each with its share of the step
-        fixes.insert(0, f"--gradient_accumulation_steps={before * processes // size}")
+    fixes = [f"--gradient_accumulation_steps={before * processes // size}"] if before * processes % size == 0 else []
+    if processes != size:  # or as it ran
+        fixes.append(f"{distributed.launcher(processes)} --gradient_accumulation_steps={before}")
     return (
         f"its steps were {before} micro-batches on each of {processes} process(es), this run's {now} on each of "
         f"{size}: resume with {' or with '.join(fixes)}"
