@@ -777,7 +777,8 @@ class DapoTrainer:
     def stop(self):
         """Ctrl-C or SIGTERM (deferred_interrupts): a checkpoint of where the loop is, the command that resumes."""
         path = save_run_checkpoint(self)
-        tqdm.write(f"stopped; continue with: {distributed.launcher(self.state.world_size)} --resume={path}")
+        if self.world.is_main:  # one line for the job, not one per rank
+            tqdm.write(f"stopped; continue with: {distributed.launcher(self.state.world_size)} --resume={path}")
         raise KeyboardInterrupt
 
     # ---- 4.7 logging ----
@@ -808,7 +809,8 @@ class DapoTrainer:
         args, step = self.args, self.state.update_steps
         self.last_accuracy, examples = self.evaluate(args.eval_samples, args.eval_batch_size, return_examples=True)
         lenient = self.eval_record["eval/accuracy_lenient"]
-        tqdm.write(f"step {step}: accuracy {self.last_accuracy:.2f} (lenient {lenient:.2f})")
+        if self.world.is_main:
+            tqdm.write(f"step {step}: accuracy {self.last_accuracy:.2f} (lenient {lenient:.2f})")
         self.append_line("accuracy_losses.txt", f"{step},{self.last_accuracy:.2f}")
         self.append_line("evaluations.jsonl", json.dumps({"step": step, **self.eval_record}))
         for example in examples:

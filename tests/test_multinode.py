@@ -259,6 +259,7 @@ def test_torchrun_restarts_after_a_workers_sigkill_and_sigterm_and_ends_as_the_u
     assert status == 0, output[-4000:]
     assert f"taking over {out}/train.lock, the lock of PID {first[0]} on host {socket.gethostname()}" in output
     assert "SIGTERM: stopping after this step with a checkpoint" in output
+    assert output.count("stopped; continue with:") == 1  # rank 0's line for the job
     stopped = re.search(r"stopped; continue with: torchrun --nproc_per_node=2 train.py --resume=(\S+)", output)
     assert stopped and os.path.basename(stopped.group(1)) in {f"checkpoint_{s}" for s in find_checkpoints(out)}
     assert_same_run(out, expected, keys=TRAINED)
@@ -297,7 +298,8 @@ def test_the_slurm_script_survives_a_preemption_and_ends_as_the_uninterrupted_ru
     for pid in [job.pid, agent, *workers.values()]:  # the batch shell, torchrun, each worker
         os.kill(pid, signal.SIGTERM)
     status, output = finish(job, first)
-    assert status != 0 and output.count("SIGTERM: stopping after this step with a checkpoint") == 2
+    assert status != 0 and output.count("SIGTERM: stopping after this step with a checkpoint") == 2  # a rank each
+    assert output.count("stopped; continue with: torchrun --nproc_per_node=2 train.py --resume=") == 1
     stopped_at = max(find_checkpoints(out))
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, stopped_at + 1))
     assert stopped_at < RUN["max_steps"] and not (out / "train.lock").exists()
