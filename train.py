@@ -41,7 +41,6 @@ from dapo_utils.checkpoints import save_final_model, save_run_checkpoint, say
 from dapo_utils.cli import check_arguments
 from dapo_utils.curves import redraw_curves
 from dapo_utils.data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_system_prompt
-from dapo_utils.distributed import rollout_share
 from dapo_utils.evaluation import evaluate_model, logged_metrics
 from dapo_utils.guards import RunStopped, check_finite, check_rounds, check_rows, check_weights, starvation_advice
 from dapo_utils.kernels import generate_sharing_prompts, output_layer_scores, reuse_freed_memory, sampling_processors
@@ -83,6 +82,7 @@ class Samples:
     sampler_log_probs: Optional[torch.Tensor] = None  # [G, T] vLLM's log-probs of the drawn tokens (use_vllm)
     advantages: Optional[torch.Tensor] = None  # [G] Eq. (9), once scored (generate_experiences)
     sampled_at: int = 0  # the optimizer steps the policy had taken when it was sampled (use_vllm: the gap's lag)
+    index: int = 0  # its prompt's place in the epoch's order: the sampling order, in which a step takes its groups
 
 
 @dataclass
@@ -347,25 +347,21 @@ class LoopState:
 
     update_steps: int = 0  # optimizer steps taken
     epoch: int = 0  # current pass over the training prompts
-    batches_done: int = 0  # prompt batches consumed in this epoch
-    rounds: int = 0  # sampling rounds since the last rollout was complete
+    batches_done: int = 0  # prompt batches consumed in this epoch (by all ranks)
+    rounds: int = 0  # prompt batches sampled (by all ranks) since the last rollout was complete
     skipped_groups: int = 0  # groups this process dropped by dynamic sampling, whole run (logged: over all)
     truncated_prompts: int = 0  # prompts longer than max_prompt_length (cut from the left), whole run
-    buffer: list = field(default_factory=list)  # valid groups (Samples) not yet trained
-    rollout: Optional[list] = None  # the MicroBatches being trained on
+    buffer: list = field(default_factory=list)  # valid groups (Samples) this process sampled, not yet trained
+    rollout: Optional[list] = None  # the MicroBatches being trained on (this process's part)
     updates_done: int = 0  # optimizer steps taken on the rollout
-    world_size: int = 1  # processes training together (torchrun); a checkpoint resumes under the same number
+    world_size: int = 1  # processes training together (torchrun); another number resumes regrouped
 
     def state_dict(self):  # groups and micro-batches as dicts: a checkpoint loads with torch.load(weights_only=True)
         rollout = None if self.rollout is None else [vars(m) for m in self.rollout]
         return dict(vars(self), buffer=[vars(group) for group in self.buffer], rollout=rollout)
 
-    def load_state_dict(self, state):
-        saved, here = state.get("world_size", 1), self.world_size  # resume under as many processes as wrote it
-        launch = distributed.launcher(saved)
-        if saved != here:
-            raise ValueError(f"the checkpoint was written by {saved} process(es), this run has {here}: {launch}")
-        vars(self).update(state, buffer=[Samples(**group) for group in state["buffer"]])
+    def load_state_dict(self, state):  # world_size stays this run's (another number: distributed.regrouped)
+        vars(self).update(state, buffer=[Samples(**group) for group in state["buffer"]], world_size=self.world_size)
         self.rollout = None if self.rollout is None else [MicroBatch(**m) for m in self.rollout]
 
 
@@ -516,13 +512,14 @@ class DapoTrainer:
         attention_mask = torch.cat([prompt_mask, action_mask], dim=1)  # [B*G, P+T]
         sampler_log_probs = drawn[0][1]  # [B*G, T]: vLLM's, in one call; None without vLLM
         groups = [slice(g * G, (g + 1) * G) for g in range(len(prompts))]
+        places = inputs["index"].tolist() if "index" in inputs else [0] * len(prompts)  # in the epoch's order
         samples = []
-        for g, prompt, answer in zip(groups, prompts, answers):  # each as wide as its own prompts and responses
+        for g, prompt, answer, index in zip(groups, prompts, answers, places):  # each as wide as its own tokens
             at, T = trim_group(attention_mask[g], response_ids.size(1))  # columns; the seed's call per prompt
             group = dict(prompt_response_ids=prompt_response_ids[g, at], attention_mask=attention_mask[g, at])
             group |= dict(response_ids=response_ids[g, :T], action_mask=action_mask[g, :T], num_actions=T)
             sampler = None if sampler_log_probs is None else sampler_log_probs[g, :T]
-            group |= dict(response_length=action_mask[g].sum(-1), sampler_log_probs=sampler)
+            group |= dict(response_length=action_mask[g].sum(-1), sampler_log_probs=sampler, index=index)
             samples.append(Samples(prompt=prompt, answer=answer, sampled_at=self.state.update_steps, **group))
         return samples
 
@@ -581,6 +578,30 @@ class DapoTrainer:
         metrics["completions/length"] = lengths.tolist()
         metrics["completions/clipped_ratio"] = truncated.float().tolist()
         return kept, metrics
+
+    def sample_round(self, batches):
+        """generate_experiences on this rank's prompt batches of a sampling call. A rank without one still takes
+        part in what is collective: --fsdp gathers the policy once for the round, vLLM's engines follow it."""
+        if self.vllm is not None:
+            self.vllm.follow(self.model, self.state.update_steps)
+        with contextlib.nullcontext() if self.vllm else self.world.unsharded(self.model):
+            return self.generate_experiences(join_batches(batches)) if batches else ([], {})
+
+    def take_rollout(self, count):
+        """This rank's groups of the next rollout, or None while all ranks together hold fewer than count. The
+        rollout is the first count buffered groups in the sampling order, wherever they were sampled (one
+        process's buffer[:count], however many processes sample: distributed.rollout_order); each rank trains its
+        part of every optimizer step (step_shares), sent over by the ranks that hold them (collective)."""
+        world, buffer, steps = self.world, self.state.buffer, self.args.steps_per_generation
+        order = distributed.rollout_order(world.gather([group.index for group in buffer]), count)  # [(rank, at)]
+        if order is None:
+            return None
+        parts = [distributed.step_shares(order, steps, rank, world.size) for rank in range(world.size)]
+        incoming = world.exchange([[buffer[at] for rank, at in part if rank == world.rank] for part in parts])
+        incoming = [iter(groups) for groups in incoming]  # each rank's, in this rank's order
+        taken = {at for rank, at in order if rank == world.rank}
+        self.state.buffer = [group for at, group in enumerate(buffer) if at not in taken]
+        return [next(incoming[rank]) for rank, _ in parts[world.rank]]
 
     @torch.no_grad()
     def make_micro_batches(self, groups):
@@ -656,7 +677,7 @@ class DapoTrainer:
         """Sample -> reward -> filter -> buffer, then optimizer steps over the rollout; log, eval, save."""
         args, state = self.args, self.state
         G, accumulation = args.num_generations, args.gradient_accumulation_steps
-        groups_per_rollout = args.batch_size * accumulation * args.steps_per_generation
+        groups_per_rollout = args.batch_size * accumulation * args.steps_per_generation * self.world.size  # all ranks
         check_rows(self, groups_per_rollout)  # guards.py: a training split too small for one step, said as that
         steps = args.num_iterations * args.epoch * len(self.train_dataset) // (args.batch_size * accumulation)
         self.global_steps = min(steps, args.max_steps or steps)  # an upper bound: dynamic sampling skips groups
@@ -686,26 +707,23 @@ class DapoTrainer:
                             break
                         calls = self.prompt_batches()
                         continue
-                    kept, round_metrics = self.generate_experiences(join_batches(call))
+                    mine = distributed.step_slice(call, self.world.rank, self.world.size)  # this rank's batches
+                    kept, round_metrics = self.sample_round(mine)
                     for key, values in round_metrics.items():
                         metrics[key] += values
                     state.buffer += kept
                     state.rounds += len(call)
                     kept_any = self.world.any(bool(kept))  # on any rank: collective
                     self.empty_rounds = 0 if kept_any else self.empty_rounds + len(call)
-                    held = self.world.gather(len(state.buffer))  # every rank's; [held] in one process
-                    take = rollout_share(held, groups_per_rollout, self.world.rank)  # None: not enough groups yet
-                    if take is None:
+                    rollout = self.take_rollout(groups_per_rollout)  # None: not enough groups yet
+                    if rollout is None:
                         check_rounds(self, metrics)  # guards.py: a run that keeps no group ends in one line
                         if self.world.any(self.stop_requested):  # Ctrl-C or SIGTERM between sampling rounds
                             self.stop()
                         continue
                     # 2. The rollout: micro-batches of batch_size groups, with pi_old's and pi_ref's log-probs.
                     start = time.perf_counter()
-                    rollout, state.buffer = state.buffer[:take], state.buffer[take:]
-                    pads = self.world.placeholder_groups(-(-take // args.batch_size))  # --fsdp: as many on every rank
                     state.rollout = self.make_micro_batches(rollout)
-                    state.rollout += [m for p in pads for m in self.make_micro_batches([p])]  # each its own micro-batch
                     state.updates_done = 0
                     metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)
                     metrics["num_gen_batches"].append(state.rounds)
@@ -757,16 +775,17 @@ class DapoTrainer:
             tqdm.write(f"the data ran out after {state.update_steps} steps: {bound}")
 
     def prompt_batches(self):
-        """This epoch's sampling calls, each the prompt batches the rollout still needs (World.rounds_to_sample), in
-        the epoch's seeded order (a resumed run skips the batches it had consumed)."""
+        """This epoch's sampling calls, each the prompt batches the rollout still needs over all ranks
+        (World.rounds_to_sample), in the epoch's seeded order (a resumed run skips the batches it had consumed).
+        Every rank walks the same calls; each samples its own part of a call (train)."""
         args, state = self.args, self.state
         per_rank = args.batch_size * args.gradient_accumulation_steps * args.steps_per_generation
         order = torch.Generator().manual_seed(args.seed + state.epoch)
         loader = DataLoader(self.train_dataset, batch_size=args.batch_size, shuffle=True, generator=order)
-        batches = list(self.world.shard(numbered(loader)))[state.batches_done :]  # batches rank, rank + N, ...
+        batches = numbered(loader)[state.batches_done :]
         while batches:
-            held, sizes = len(state.buffer), (args.batch_size, args.generation_batch_size)
-            count = self.world.rounds_to_sample(held, per_rank, *sizes)  # collective under torchrun
+            held, sizes = self.world.sum(len(state.buffer)), (args.batch_size, args.generation_batch_size)
+            count = self.world.rounds_to_sample(held, per_rank, *sizes)
             if args.max_num_gen_batches:  # the rounds check_rounds allows, no more
                 count = min(count, args.max_num_gen_batches - state.rounds)
             call, batches = batches[:count], batches[count:]
@@ -777,7 +796,8 @@ class DapoTrainer:
         """Ctrl-C or SIGTERM (deferred_interrupts): a checkpoint of where the loop is, the command that resumes."""
         path = save_run_checkpoint(self)
         launch = distributed.launcher(self.state.world_size, self.world.fsdp)
-        say(f"stopped; continue with: {launch} --resume={path}")
+        if self.world.is_main:  # one line for the job, not one per rank
+            say(f"stopped; continue with: {launch} --resume={path}")
         raise KeyboardInterrupt
 
     # ---- 4.7 logging ----
@@ -809,7 +829,8 @@ class DapoTrainer:
         args, step = self.args, self.state.update_steps
         self.last_accuracy, examples = self.evaluate(args.eval_samples, args.eval_batch_size, return_examples=True)
         lenient = self.eval_record["eval/accuracy_lenient"]
-        tqdm.write(f"step {step}: accuracy {self.last_accuracy:.2f} (lenient {lenient:.2f})")
+        if self.world.is_main:
+            tqdm.write(f"step {step}: accuracy {self.last_accuracy:.2f} (lenient {lenient:.2f})")
         self.append_line("accuracy_losses.txt", f"{step},{self.last_accuracy:.2f}")
         self.append_line("evaluations.jsonl", json.dumps({"step": step, **self.eval_record}))
         for example in examples:

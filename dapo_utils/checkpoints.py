@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dapo_utils import distributed
 from dapo_utils.curves import in_words, read_jsonl, read_step_log, subfolders
 from dapo_utils.distributed import to_device
 from dapo_utils.writes import WRITE_ERRORS, WriteFailed, why, writing
@@ -36,7 +37,8 @@ CHECKSUMS = "checksums.json"
 # in output_dir
 LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl", "evaluations.jsonl")
 # What one optimizer step is made of: changing one of these on resume would silently change the run.
-STEP_SETTINGS = ("num_generations", "batch_size", "gradient_accumulation_steps", "steps_per_generation")
+# (and gradient_accumulation_steps times the number of processes: resume checks it)
+STEP_SETTINGS = ("num_generations", "batch_size", "steps_per_generation")
 STEP_SETTINGS += ("num_iterations", "loss_agg_mode", "filter_metric", "seed", "use_vllm", "test_size")
 STEP_SETTINGS += ("lora_r", "lora_alpha", "lora_target_modules")  # the adapters' shapes and scale
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: the folder holds LoRA adapters (lora.py), not a whole model
@@ -123,7 +125,8 @@ def save_checkpoint(trainer, model_state=None, optimizer_state=None):
         optimizer_state = trainer.optimizer.state_dict() if optimizer_state is None else optimizer_state
         state = {"optimizer": optimizer_state, "scheduler": trainer.scheduler.state_dict()}
         state.update(loop=trainer.state.state_dict(), rng=torch.get_rng_state(), cuda_rng=cuda_rng)
-        state["step_settings"] = {k: getattr(args, k) for k in STEP_SETTINGS}  # what dapo_args.json may not change
+        # What an edit of dapo_args.json may not change, and the step size another process count must keep:
+        state["step_settings"] = {k: getattr(args, k) for k in (*STEP_SETTINGS, "gradient_accumulation_steps")}
         torch.save(state, os.path.join(tmp, TRAINER_STATE))
         with open(os.path.join(tmp, ARGS_FILE), "w", encoding="utf-8") as f:
             json.dump(saved_arguments(args), f, indent=2)
@@ -218,7 +221,8 @@ def fits(value, kind):
 def resume(trainer, checkpoint, cut_logs=True):
     """Continue from a checkpoint: weights, optimizer, scheduler, loop position and RNG. Optimizer settings
     given anew (lr, weight_decay, warmup_steps, max_grad_norm) apply from here on; a changed STEP_SETTINGS
-    field is refused. Only then are the logs cut back to the checkpoint's step, so that no line repeats."""
+    field is refused, and so is another step size: another number of processes resumes with as many micro-batches
+    a step over all of them. Only then are the logs cut back to the checkpoint's step, so that no line repeats."""
     args, world = trainer.args, trainer.world  # read into CPU memory: --fsdp keeps full states there, a rank its shard
     saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location="cpu", weights_only=True)
     written = saved.get("step_settings")  # as the run had them, whatever an edit of dapo_args.json says
@@ -235,6 +239,9 @@ def resume(trainer, checkpoint, cut_logs=True):
             f"cannot resume {checkpoint} with other step settings: {', '.join(changed)} (given on the command line "
             f"or edited in its {ARGS_FILE}); put them back, or start a new run"
         )
+    step_change = other_step_size(written, saved["loop"].get("world_size", 1), args, world.size)
+    if step_change:
+        raise ValueError(f"cannot resume {checkpoint}: {step_change}")
     if args.lora_r:  # the adapters; the frozen base is model_path's
         from dapo_utils.lora import load_adapters
 
@@ -267,6 +274,22 @@ def resume(trainer, checkpoint, cut_logs=True):
     trainer.last_accuracy = accuracies[max(accuracies)] if accuracies else float("nan")
 
 
+def other_step_size(saved_args, processes, args, size):
+    """'' when a run of `size` processes with args takes the step a checkpoint's run took (saved_args over
+    `processes` processes): as many micro-batches over all processes. Else what differs, and the settings that
+    resume it."""
+    before, now = saved_args.get("gradient_accumulation_steps", 1), args.gradient_accumulation_steps
+    if before * processes == now * size:
+        return ""
+    fixes = [f"--gradient_accumulation_steps={before * processes // size}"] if before * processes % size == 0 else []
+    if processes != size:  # or as it ran
+        fixes.append(f"{distributed.launcher(processes)} --gradient_accumulation_steps={before}")
+    return (
+        f"its steps were {before} micro-batches on each of {processes} process(es), this run's {now} on each of "
+        f"{size}: resume with {' or with '.join(fixes)}"
+    )
+
+
 def save_run_checkpoint(trainer):
     """save_checkpoint, under any number of processes (trainer.world): rank 0 writes it, with every rank's loop
     state and RNG in the loop state's "ranks"; --fsdp gathers the full model and optimizer states first (every
@@ -290,11 +313,9 @@ def save_run_checkpoint(trainer):
 
 def resume_run(trainer, checkpoint):
     """resume, under any number of processes (trainer.world): every rank loads the checkpoint, then its own loop
-    state and RNG. Rank 0 alone cuts the logs back, first; the others wait for it (under --fsdp they load
-    with it, then wait)."""
+    state and RNG, regrouped when another number of processes wrote it (distributed.regrouped). Rank 0 alone cuts
+    the logs back, first; the others wait for it (under --fsdp they load with it, then wait)."""
     world = trainer.world
-    if world.size == 1 and not world.fsdp:
-        return resume(trainer, checkpoint)
     if not world.is_main and not world.fsdp:  # --fsdp: loading the shards is collective, all ranks at once
         world.from_rank_0(None)
     try:
@@ -302,10 +323,16 @@ def resume_run(trainer, checkpoint):
     finally:
         if world.is_main or world.fsdp:
             world.from_rank_0(None)
-    mine = trainer.state.ranks[world.rank]
-    del trainer.state.ranks
+    saved = vars(trainer.state).pop("ranks", None)  # each writing rank's loop state and RNG (several processes)
+    if saved is None and world.size == 1:  # one process resumes its own checkpoint: resume restored it all
+        return
+    saved = saved or [{"loop": trainer.state.state_dict(), "rng": torch.get_rng_state(), "cuda_rng": None}]
+    mine = distributed.regrouped(saved, world.rank, world.size, trainer.args.steps_per_generation)
     trainer.state.load_state_dict(mine["loop"])
-    torch.set_rng_state(mine["rng"].cpu())
+    if mine["rng"] is None:  # a rank the writing run did not have: its own seed's stream, as a fresh run's rank
+        torch.manual_seed(trainer.args.seed + world.rank)
+    else:
+        torch.set_rng_state(mine["rng"].cpu())
     set_cuda_rng(mine["cuda_rng"], trainer.args.device)
 
 
@@ -354,8 +381,20 @@ def find_checkpoints(output_dir):
 
 
 def find_checkpoint(resume, output_dir):
-    """--resume=output/checkpoint_N, or --resume=latest: the newest one in output_dir. One that does not read
-    back is refused naming its damaged file and the newest intact checkpoint."""
+    """--resume=output/checkpoint_N; --resume=latest: the newest one in output_dir; --resume=auto (verl's
+    resume_mode auto, for launch scripts that restart): the newest intact one, or None when output_dir holds no
+    checkpoint (a fresh run). One that does not read back is refused naming its damaged file and the newest
+    intact checkpoint."""
+    if resume == "auto":
+        if not find_checkpoints(output_dir):
+            return None
+        intact = newest_intact_checkpoint(output_dir)
+        newest = checkpoint_path(output_dir, max(find_checkpoints(output_dir)))
+        if intact and intact != newest:  # a newer one that does not read back: say so, resume the intact one
+            print(f"{checkpoint_damage(newest)}: resuming {intact}, the newest intact checkpoint")
+        if intact:
+            return os.path.normpath(intact)
+        resume = "latest"  # none reads back: refused below, naming the newest one's damage
     if resume == "latest":
         if not find_checkpoints(output_dir):
             found, problem = subfolders(output_dir, find_checkpoints), f"no checkpoint to resume in {output_dir!r}"
@@ -428,6 +467,14 @@ def checksum_damage(folder, names):
         if file_sha256(file) != expected[name]:
             return f"{file} is damaged (its sha256 is not the one in {CHECKSUMS}: changed since it was written)"
     return ""
+
+
+def newest_intact_checkpoint(output_dir):
+    """The newest checkpoint_N of output_dir that reads back (checkpoint_damage), or None."""
+    for step in sorted(find_checkpoints(output_dir), reverse=True):
+        if not checkpoint_damage(checkpoint_path(output_dir, step)):
+            return checkpoint_path(output_dir, step)
+    return None
 
 
 def intact_checkpoint(output_dir):
@@ -570,14 +617,18 @@ def say(line):
 def deferred_interrupts(trainer):
     """First Ctrl-C, SIGTERM or SIGHUP: the trainer finishes its optimizer step (or its sampling round), saves a
     checkpoint and stops (it reads trainer.stop_requested at each step end and between sampling rounds).
-    Second: stop at once (Interrupted, phase AT_ONCE)."""
+    A second Ctrl-C: stop at once (Interrupted, phase AT_ONCE). A second SIGTERM or SIGHUP changes nothing: a
+    scheduler's comes twice (SLURM signals every process of the job, and torchrun passes its own on to its
+    workers), and its SIGKILL ends the grace."""
 
     def request_stop(signum, frame):
         if trainer.stop_requested:
-            raise Interrupted(signum, AT_ONCE)
+            if signum == signal.SIGINT:
+                raise Interrupted(signum, AT_ONCE)
+            return
         trainer.stop_requested = True
         name = signal_name(signum)
-        say(f"{name}: stopping after this step with a checkpoint ({name} again: stop now, no checkpoint)")
+        say(f"{name}: stopping after this step with a checkpoint (Ctrl-C again: stop now, no checkpoint)")
 
     with stop_signal_handler(request_stop):
         yield

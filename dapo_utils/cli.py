@@ -131,19 +131,30 @@ def parse_cli(arguments_class, argv=None):
     return namespace, {name: value for name, value in given.items() if value is not dataclasses.MISSING}
 
 
-def run_settings(cli, given, arguments_class):
-    """(overrides, checkpoint or None): what was given on the command line, over the checkpoint's settings
-    (--resume), over the demo's (--demo)."""
-    defaults, checkpoint = {}, None
-    if cli.demo:
-        from dapo_utils.tiny_world import DEMO_ARGS  # --preset paper too: the same world and steps
+def command_settings(cli, given):
+    """What was given on the command line, over the demo's settings (--demo): a run's settings but a checkpoint's."""
+    if not cli.demo:
+        return dict(given)
+    from dapo_utils.tiny_world import DEMO_ARGS  # --preset paper too: the same world and steps
 
-        defaults = dict(DEMO_ARGS)
-    if cli.resume:
-        output_dir = given.get("output_dir", defaults.get("output_dir", arguments_class.output_dir))
+    return DEMO_ARGS | given
+
+
+def run_settings(cli, given, arguments_class, world):
+    """(overrides, checkpoint or None): what was given on the command line, over the checkpoint's settings
+    (--resume; under torchrun rank 0 picks the checkpoint and reads its settings, and every rank follows: world),
+    over the demo's (--demo). --resume=auto with no checkpoint in output_dir: none, a fresh run."""
+    settings = command_settings(cli, given)
+    if not cli.resume:
+        return settings, None
+    output_dir = settings.get("output_dir", arguments_class.output_dir)
+
+    def resumed():
         checkpoint = find_checkpoint(cli.resume, output_dir)
-        defaults |= checkpoint_arguments(checkpoint, arguments_class)
-    return defaults | given, checkpoint
+        return checkpoint, checkpoint_arguments(checkpoint, arguments_class) if checkpoint else {}
+
+    checkpoint, saved = world.on_rank_0(resumed)
+    return {**settings, **saved, **given}, checkpoint
 
 
 SEED_MODEL = ("./Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct", "--model", "about 3 GB")  # default path, repo

@@ -1,29 +1,35 @@
 """Data-parallel DAPO across processes: `torchrun --nproc_per_node=N train.py` or `accelerate launch
---num_processes N train.py` (both set WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT). Without WORLD_SIZE
-(plain `python train.py`) there is one process, no process group, and every method here is a no-op.
+--num_processes N train.py` (both set WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT), on one node or several
+(`torchrun --nnodes=M ... --rdzv_backend=c10d`: RANK is global, LOCAL_RANK the process's place on its node).
+Without WORLD_SIZE (plain `python train.py`) there is one process, no process group, and every method here is a
+no-op.
 
-How a step is shared (see setup's World for each piece):
-  - prompts: the epoch's seeded order is the same on every rank; rank r samples batches r, r+N, r+2N, ...
-    (the last len % N batches are dropped, so that every rank samples as many rounds). Whole groups stay
-    on the rank that sampled them: group statistics and dynamic sampling are local.
-  - the step decision is collective: after each sampling round the ranks share their buffered group counts;
-    the step happens when all ranks together hold groups_per_rollout * N groups, then each rank trains on its
-    share (balanced; a rank may have fewer, or none).
+N processes take the one-process step (the step of one process with N times the gradient accumulation), dynamic
+sampling included. How (see setup's World for each piece):
+  - prompts: every rank walks the epoch's seeded order of prompt batches. Each sampling call takes the batches
+    one process would take (World.rounds_to_sample, from the groups held over all ranks), and each rank samples
+    its consecutive part of them (step_slice: a rank may have none). Groups are scored, and dynamic sampling
+    keeps or drops them, on the rank that sampled them: a group's statistics are its own.
+  - the step decision is made in the sampling order: after each sampling round the ranks share the places (in the
+    epoch's order) of the groups they hold; once they hold the rollout's groups together, the rollout is the
+    first ones by place (rollout_order) -- one process's buffer[:count] -- and each rank trains its consecutive
+    part of every optimizer step's slice (step_shares), the groups sent over by the ranks that sampled them
+    (World.exchange). The rest stays buffered where it was sampled.
   - gradients: every micro-batch's loss is divided by the step's unit count summed over ALL ranks (tokens,
     responses or groups, per loss_agg_mode), and after the accumulation loop the gradients are SUMMED
     across ranks (one all-reduce per step, in buckets). That is exactly the one-process gradient of the
-    step's N * b groups, whatever each rank held. No DDP: its hooks average (a factor N to undo), sync on
-    every backward unless told not to, and hang when ranks run different numbers of backward passes.
-  - rank 0 alone writes logs, curves, checkpoints and the final model; metrics of all ranks are gathered
-    first. Evaluation splits its problems across ranks and sums the counts.
-  - checkpoints hold every rank's loop state and RNG (gathered to rank 0), and the world size: a resume under
-    another world size is refused with a message.
+    step's groups. No DDP: its hooks average (a factor N to undo) and sync on every backward unless told not to.
+  - rank 0 alone writes logs, curves, checkpoints and the final model, and holds the output folder's lock;
+    metrics of all ranks are gathered first. Evaluation splits its problems across ranks and sums the counts.
+  - checkpoints hold every rank's loop state and RNG (gathered to rank 0) and the number of processes; a resume
+    under another number regroups them (regrouped): the weights and optimizer states are whole.
 
 --fsdp=true shards the model over the ranks: fsdp.py, imported only then.
 """
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
 import os
 import sys
@@ -47,10 +53,25 @@ def setup(device="cpu", num_threads=0, timeout=1800):
     if not dist.is_initialized():
         if device.startswith("cuda"):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        backend, timeout = "nccl" if device.startswith("cuda") else "gloo", datetime.timedelta(seconds=timeout)
+        dist.init_process_group(backend, timeout=timeout, **this_attempts_store())
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     return World(dist.get_rank(), dist.get_world_size(), "cuda" if device.startswith("cuda") else "cpu")
+
+
+def this_attempts_store():
+    """init_process_group's store under torchrun, in keys of this attempt alone (TORCHELASTIC_RESTART_COUNT); {}
+    elsewhere (its own env:// store). torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE) and keeps it
+    through a restart (--max-restarts), with the addresses the killed group's ranks left under the same keys:
+    the new group's gloo or NCCL read them and connect to processes that are gone (a timeout, or a hang; pytorch
+    issue 167288). Measured with torch 2.13, gloo, 2 processes and rank 0 killed: 4 of 6 restarts failed so, 0 of 6
+    in this attempt's keys."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    address, port, size = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(address, port, size, is_master=False)  # the agent's, as env:// would join it
+    attempt = f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return dict(store=dist.PrefixStore(attempt, store), rank=int(os.environ["RANK"]), world_size=size)
 
 
 def end_of_run():
@@ -70,8 +91,15 @@ def end_of_run():
 
 
 def launcher(processes, fsdp=False):
-    """How to start a run of this many processes: the command a resume must repeat (--fsdp: torchrun, even for 1)."""
-    return "python train.py" if processes == 1 and not fsdp else f"torchrun --nproc_per_node={processes} train.py"
+    """How to start a run of this many processes: the command a resume repeats (--fsdp: torchrun, even for 1). On
+    several nodes (this run's LOCAL_WORLD_SIZE is less) each node's own torchrun command, whose rendezvous endpoint
+    no process sees."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
+    if processes == 1 and not fsdp:
+        return "python train.py"
+    if per_node >= processes:
+        return f"torchrun --nproc_per_node={processes} train.py"
+    return f"the same torchrun command on each of the {processes // per_node} nodes with"
 
 
 def step_slice(items, index, parts):
@@ -82,34 +110,60 @@ def step_slice(items, index, parts):
     return items[first : first + size + (index < extra)]
 
 
-def rollout_share(counts, per_rank, rank=0):
-    """The step decision, after each sampling round, from every rank's buffered group count (counts, in rank
-    order; [held] in one process): None while together they hold fewer than per_rank * N groups, else how many
-    of its groups this rank trains on. In one process: per_rank once held >= per_rank."""
-    if sum(counts) < per_rank * len(counts):
-        return None
-    return balanced_shares(counts, per_rank * len(counts))[rank]
+def rollout_order(held, count):
+    """The step decision, in the sampling order. held[r]: the places (in the epoch's prompt order) of the groups
+    rank r holds, in its buffer's order. Returns the rollout, the first `count` of all of them by place, as (rank,
+    position in that rank's buffer), or None while they are fewer. One process: buffer[:count], the seed's."""
+    everyone = sorted(
+        (place, rank, position) for rank, places in enumerate(held) for position, place in enumerate(places)
+    )
+    return None if len(everyone) < count else [(rank, position) for _, rank, position in everyone[:count]]
 
 
-def balanced_shares(counts, total):
-    """How many of its buffered groups each rank trains on so that together they take `total`: up to
-    total / N each, the rest from the ranks that have more, in rank order."""
-    shares = [min(count, total // len(counts)) for count in counts]
-    missing = total - sum(shares)
-    for rank, count in enumerate(counts):
-        extra = min(count - shares[rank], missing)
-        shares[rank], missing = shares[rank] + extra, missing - extra
-    return shares
+def step_shares(items, steps, rank, size):
+    """Rank `rank`'s part of a rollout's items (groups, or micro-batches) in the sampling order, for `size` ranks:
+    of each of the `steps` optimizer steps' consecutive slices (step_slice), its consecutive part (rank 0 the
+    first). Each rank's part is itself `steps` equal slices, one per optimizer step. One rank: all of them."""
+    return [item for step in range(steps) for item in step_slice(step_slice(items, step, steps), rank, size)]
+
+
+def joined_steps(parts, steps):
+    """The rollout's items in the sampling order again, from every rank's step_shares (parts, in rank order)."""
+    return [item for step in range(steps) for part in parts for item in step_slice(part, step, steps)]
+
+
+def regrouped(saved, rank, size, steps):
+    """This rank's {"loop", "rng", "cuda_rng"} from a checkpoint's, one per rank that wrote it (saved; the loop
+    states are train.LoopState.state_dict's). Under as many processes: its own. Under another number (the weights
+    and optimizer states are whole, the step the same: checkpoints.resume checks it): the groups buffered by the
+    writing ranks rank, rank + size, ... (the rollout takes them in the sampling order wherever they are); the
+    rollout being trained re-split step by step (steps: steps_per_generation); the whole-run counts on rank 0; the
+    RNG of writing rank `rank`, none for a rank the run did not have (it keeps its own seed's)."""
+    if len(saved) == size:
+        return saved[rank]
+    loops = [entry["loop"] for entry in saved]
+    buffer = [group for r, other in enumerate(loops) if r % size == rank for group in other["buffer"]]
+    loop = dict(loops[0], buffer=sorted(buffer, key=lambda group: group.get("index", 0)))  # in the sampling order
+    if loop["rollout"] is not None:
+        loop["rollout"] = step_shares(joined_steps([other["rollout"] for other in loops], steps), steps, rank, size)
+    for key in ("skipped_groups", "truncated_prompts"):  # whole-run counts, logged as sums over the ranks
+        loop[key] = sum(other[key] for other in loops) if rank == 0 else 0
+    rng = saved[rank] if rank < len(saved) else {"rng": None, "cuda_rng": None}
+    return {"loop": loop, "rng": rng["rng"], "cuda_rng": rng["cuda_rng"]}
 
 
 def to_device(value, device):
-    """value with every tensor in it (in dicts, lists and tuples, nested) on device."""
+    """value (a tensor, or a dict, list, tuple or dataclass of them) with its tensors on device."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, dict):
         return {key: to_device(v, device) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(to_device(v, device) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(
+            value, **{f.name: to_device(getattr(value, f.name), device) for f in dataclasses.fields(value)}
+        )
     return value
 
 
@@ -147,14 +201,14 @@ class World:
         if self.size == 1:
             return [value]
         values = [None] * self.size
-        dist.all_gather_object(values, to_cpu(value))
+        dist.all_gather_object(values, to_device(value, "cpu"))
         return values
 
     def from_rank_0(self, value):
         """Rank 0's value on every rank."""
         if self.size == 1:
             return value
-        box = [to_cpu(value)]
+        box = [to_device(value, "cpu")]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
@@ -170,7 +224,7 @@ class World:
                     tensor.data.copy_(on_device)
 
     def reduce_gradients(self, model):
-        """Sum the step's gradients over ranks (in place; a rank without a micro-batch adds zeros). The losses
+        """Sum the step's gradients over ranks (in place; a parameter no micro-batch reached adds zeros). The losses
         are already divided by the whole step's unit count, so the sum is the one-process gradient."""
         if self.size == 1:
             return
@@ -195,10 +249,6 @@ class World:
     def while_unsharded(self, model, iterable):
         return iterable
 
-    def placeholder_groups(self, num_micro_batches):
-        """Groups to make extra micro-batches of, so that every rank runs as many: none without --fsdp."""
-        return []
-
     def full_model_state(self, model):
         return None  # the model's own state_dict is the full one
 
@@ -212,26 +262,47 @@ class World:
         return optimizer.load_state_dict(saved)
 
     # ---- sampling ----
-    def shard(self, batches):
-        """This rank's prompt batches: r, r + N, ...; the last len % N are dropped so that ranks run equal rounds."""
-        if self.size == 1:
-            yield from batches
-            return
-        usable = len(batches) // self.size * self.size
-        for index, batch in enumerate(batches):
-            if index >= usable:
-                return
-            if index % self.size == self.rank:
-                yield batch
-
     def rounds_to_sample(self, held, per_rank, batch_size, generation_batch_size=0):
-        """How many prompt batches this rank samples in its next call, given `held` buffered groups: the least
-        the rollout still needs (each batch adds at most batch_size groups per rank, so the rollout cannot fill
-        before the last of them: the seed's rounds, in the seed's order, sampled at once), or more when
-        generation_batch_size (prompts over all ranks) asks for more. Collective under torchrun."""
-        missing = per_rank * self.size - self.sum(held)
-        needed = max(1, -(-missing // (batch_size * self.size)))
-        return max(needed, -(-generation_batch_size // (batch_size * self.size)))
+        """How many prompt batches the next sampling call takes, over all ranks, given `held` buffered groups over
+        all ranks: the least the rollout (per_rank groups on each rank) still needs -- each batch adds at most
+        batch_size groups, so the rollout cannot fill before the last of them: the seed's rounds, in the seed's
+        order, sampled at once, as one process would take them -- or more when generation_batch_size (prompts,
+        over all ranks) asks for more."""
+        needed = max(1, -(-(per_rank * self.size - held) // batch_size))
+        return max(needed, -(-generation_batch_size // batch_size))
+
+    def exchange(self, outgoing):
+        """Objects between ranks: outgoing[t] goes to rank t (this rank's own entry stays here, untouched). Returns
+        what each rank sent this one, in rank order, its tensors on this rank's device. One scatter per rank."""
+        if self.size == 1:
+            return list(outgoing)
+        incoming = []
+        for source in range(self.size):
+            box, sent = [None], None
+            if source == self.rank:
+                sent = [None if t == self.rank else to_device(items, "cpu") for t, items in enumerate(outgoing)]
+            dist.scatter_object_list(box, sent, src=source)
+            incoming.append(outgoing[source] if source == self.rank else to_device(box[0], self.device))
+        return incoming
+
+    def on_rank_0(self, decide):
+        """decide() on rank 0 alone (a choice every rank must share: which checkpoint, the output folder's state),
+        its value on every rank. If it raises, rank 0 raises it (and says why) and the other ranks exit (status 1)
+        without a word, instead of waiting for a rank that has gone."""
+        if self.size == 1:
+            return decide()
+        value, error = None, None
+        if self.is_main:
+            try:
+                value = decide()
+            except BaseException as raised:  # noqa: BLE001 - re-raised below, after the others are told
+                error = raised
+        value, failed = self.from_rank_0((None, True) if error is not None else (value, False))
+        if error is not None:
+            raise error
+        if failed:
+            sys.exit(1)
+        return value
 
     # ---- logging ----
     def gather_step(self, metrics):

@@ -4,19 +4,18 @@ the root. Imported only with --fsdp (DapoTrainer.__init__). What changes from di
   - gradients are reduce-scattered by FSDP in each backward, summed (divide factor 1, ReduceOp.SUM), so
     reduce_gradients does nothing; accumulation keeps sharded gradients (reduced every micro-step: the
     unsynced alternative would hold full gradients until the last one).
-  - every forward and backward is a collective: placeholder_groups gives every rank as many micro-batches,
-    padding with placeholders that weigh nothing (an empty loss, no unit in the step's count).
+  - every forward and backward is a collective: every rank trains as many micro-batches (train.py's rollout
+    gives each rank its equal part of every step: distributed.step_shares).
   - generate (a forward per token, ranks stopping at different lengths) runs inside `unsharded`: the whole
-    model gathered once per call, once per evaluation (while_unsharded), resharded after.
+    model gathered once per sampling round on every rank (one without a prompt that round too), once per
+    evaluation (while_unsharded), resharded after.
   - checkpoints and the final model: full states gathered to rank 0 (full_model_state,
     full_optimizer_state) and written as one process writes them; a resume loads them on every rank and
     keeps each shard (load_model_state, load_optimizer_state).
 """
 
 import contextlib
-from types import SimpleNamespace
 
-import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -97,15 +96,6 @@ class FsdpWorld(World):
         with self.unsharded(model):
             yield from iterable
 
-    def placeholder_groups(self, num_micro_batches):
-        """Every forward and backward is a collective, so every rank needs as many micro-batches: the ranks with
-        fewer get placeholders that weigh nothing (one token of context, no response row: the loss is an empty
-        sum and adds no unit to the step's count, while forward and backward still run, all-gathering and
-        reduce-scattering with the others), each a micro-batch of its own. Collective: call it before any forward,
-        so that the gathers pair up."""
-        most = max(self.gather(num_micro_batches))
-        return [placeholder_group(self.device) for _ in range(most - num_micro_batches)]
-
     def full_model_state(self, model):
         """The full state dict (CPU tensors) on rank 0, {} on the others; collective."""
         return get_model_state_dict(model, options=FULL_STATE)
@@ -145,16 +135,3 @@ class FsdpWorld(World):
 def fsdp_modules(model):
     """The modules fully_shard wrapped (the root among them), in model.modules() order."""
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
-
-
-def placeholder_group(device):
-    """A micro-batch's worth of nothing for placeholder_groups, with a group's fields (train.Samples): one row
-    of two tokens (a one-token prompt and one response position) and no response row: the loss broadcasts to
-    an empty [0, 1] tensor."""
-    return SimpleNamespace(
-        prompt_response_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
-        attention_mask=torch.ones(1, 2, dtype=torch.long, device=device),
-        action_mask=torch.zeros(0, 1, dtype=torch.long, device=device),
-        advantages=torch.zeros(0, device=device),
-        sampler_log_probs=None,
-    )

@@ -61,11 +61,10 @@ def starvation_advice(args):
     return f"{rule}; check the reward functions, use an easier data set or a stronger model, or filter_metric='none'"
 
 
-def check_rows(trainer, prompts_per_step):
-    """Before training: each epoch's rows fill at least one optimizer step of prompts_per_step prompts (per
-    process), else no step could ever be taken (the buffer lives one epoch) whatever the filter keeps."""
+def check_rows(trainer, needed):
+    """Before training: each epoch's rows fill at least one optimizer step's `needed` prompts (of every process), else
+    no step could ever be taken (the buffer lives one epoch) whatever the filter keeps."""
     args, rows, processes = trainer.args, len(trainer.train_dataset), trainer.world.size
-    needed = prompts_per_step * processes
     if rows < needed:
         settings = "batch_size x gradient_accumulation_steps x steps_per_generation" + " x processes" * (processes > 1)
         raise RunStopped(
@@ -88,10 +87,10 @@ def check_rounds(trainer, metrics):
             f"{empty} sampling rounds in a row kept no group after step {state.update_steps}: {seen}; "
             f"{last_good_checkpoint(args.output_dir)} (max_empty_rounds={args.max_empty_rounds}; 0 = no limit)"
         )
-    if args.max_num_gen_batches and state.rounds >= args.max_num_gen_batches:
-        needed = args.batch_size * args.gradient_accumulation_steps * args.steps_per_generation
+    if args.max_num_gen_batches and state.rounds >= args.max_num_gen_batches:  # rounds: over all ranks, as held
+        needed = args.batch_size * args.gradient_accumulation_steps * args.steps_per_generation * trainer.world.size
         raise RunStopped(
-            f"{state.rounds} sampling rounds gave only {len(state.buffer)} of {needed} valid "
+            f"{state.rounds} sampling rounds gave only {trainer.world.sum(len(state.buffer))} of {needed} valid "
             f"groups: {starvation_advice(args)}, or raise max_num_gen_batches (0 = no limit)"
         )
 

@@ -1,7 +1,9 @@
 """What `python train.py` does around a run: its modes (--plot, --check_rewards, --eval_only, --demo, --resume), the
 output folder it holds while it writes there, the checks before anything loads, and the summary at the end. The
 run itself is train.py's `run` (the seed's entry point: build the trainer, train, save the model); train.py's
-`main` hands this module its pieces, so that the package never imports the script.
+`main` hands this module its pieces, so that the package never imports the script. Under torchrun (one node or
+several) what must be one choice for the whole job is rank 0's, and every rank follows it (World.on_rank_0):
+the checkpoint to resume, the output folder's lock and its preparation; a refusal ends every rank.
 
 However the command ends, it ends in one line (--debug or DAPO_DEBUG=1: the traceback instead): a refused setting,
 a diverged run, a full disk or a user's reward function that fails (with the checkpoint to continue from), and
@@ -9,6 +11,7 @@ Ctrl-C, SIGTERM or SIGHUP before training (exit status 128 + the signal's number
 warnings print as one line each (notices.py).
 """
 
+import contextlib
 import errno
 import inspect
 import os
@@ -18,7 +21,8 @@ import time
 
 from dapo_utils import distributed
 from dapo_utils.checkpoints import STARTING, Interrupted, resume_advice, stop_signals_raise
-from dapo_utils.cli import check_before_loading, check_eval_only, debugging, parse_cli, run_settings
+from dapo_utils.cli import check_before_loading, check_eval_only, command_settings, debugging, parse_cli
+from dapo_utils.cli import run_settings
 from dapo_utils.curves import plot_command
 from dapo_utils.evaluation import accuracy_summary, run_eval
 from dapo_utils.guards import RunStopped
@@ -26,7 +30,7 @@ from dapo_utils.notices import one_line_warnings
 from dapo_utils.options import python_command
 from dapo_utils.record import write_run_arguments
 from dapo_utils.rewards import RewardFunctionError, check_rewards, reward_functions
-from dapo_utils.run_dir import claim_output_dir, hold_output_dir
+from dapo_utils.run_dir import claim_output_dir, hold_output_dir, unshared_folder
 from dapo_utils.writes import WriteFailed
 
 READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)  # a write refused, not a disk that is full
@@ -56,8 +60,11 @@ def main(argv, arguments_class, build_args, build_trainer, run, rewards_module):
 
 def command(cli, given, arguments_class, build_args, build_trainer, run, rewards_module):
     """main's work once the command line is read: the settings, the checks, the output folder held, the run."""
+    settings = command_settings(cli, given)  # never a checkpoint's: the device and timeout are this machine's
+    device, timeout = (settings.get(k, getattr(arguments_class, k)) for k in ("device", "ddp_timeout"))
+    world = distributed.setup(device, timeout=timeout)  # torchrun: the process group first, rank 0 decides for all
     try:  # the command line over a checkpoint's settings over the demo's, under the preset
-        overrides, checkpoint = run_settings(cli, given, arguments_class)
+        overrides, checkpoint = run_settings(cli, given, arguments_class, world)
         args = build_args(cli.preset, overrides)
         reward_funcs = reward_functions(args, rewards_module)  # names and import paths resolved before anything loads
         status = check_rewards(args, reward_funcs) if cli.check_rewards else None  # no model, no output_dir
@@ -67,40 +74,50 @@ def command(cli, given, arguments_class, build_args, build_trainer, run, rewards
         sys.exit(status)
     if cli.eval_only:  # checked before anything loads
         models = check_eval_only(args, cli.compare)
-    world = distributed.setup(args.device, args.num_threads, args.ddp_timeout)  # torchrun: rank 0 prepares the folders
-    hold = (args.output_dir, cli.take_over_lock, world.is_main, checkpoint is not None)  # a resume takes a dead lock
-    with hold_output_dir(*hold):  # rank 0 holds it for the run
+    world = distributed.setup(args.device, args.num_threads, args.ddp_timeout)  # this run's threads
+    hold = (args.output_dir, cli.take_over_lock, bool(cli.resume))  # a resume (auto too) takes a dead lock
+    with contextlib.ExitStack() as held:
+        world.on_rank_0(lambda: held.enter_context(hold_output_dir(*hold)))  # rank 0 holds it for the run
         if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
             try:
                 return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
             except ValueError as error:  # a reward function that fails on its trial rows
                 fail(error, cli.debug)
-        if world.is_main:  # a fresh demo first builds its world in a folder of its own, which it claims
-            if cli.demo and checkpoint is None:
-                from dapo_utils.tiny_world import demo_world
-
-                try:
-                    world_paths = demo_world(args.output_dir, args.system_prompt, args.overwrite_output_dir)
-                except WriteFailed as error:  # a full disk
-                    fail(error, cli.debug, "free space, then run the same command again")
-                args.model_path, args.data_path = world_paths
-            check_before_loading(args, len(reward_funcs))
-            if checkpoint is None and not cli.demo:  # a fresh run: an earlier run's logs and checkpoints go, or
-                claim_output_dir(args.output_dir, args.overwrite_output_dir)  # the run is refused
-        args.model_path, args.data_path = world.from_rank_0((args.model_path, args.data_path))
+        refusal = unshared_folder(world, args.output_dir)  # every rank reads the checkpoints rank 0 writes
+        if refusal:
+            sys.exit(refusal if world.is_main else 1)
+        ready = (args, cli.demo and checkpoint is None, checkpoint is None and not cli.demo, len(reward_funcs))
+        args.model_path, args.data_path = world.on_rank_0(lambda: prepare_output_dir(*ready, cli.debug))
         script = inspect.getsourcefile(run)  # train.py
-        command = python_command(script)  # how this folder's shell runs train.py again
-        record = f"{command} {shlex.join(cli.argv)}", reward_funcs, os.path.dirname(script)
+        again = python_command(script)  # how this folder's shell runs train.py again
+        record = f"{again} {shlex.join(cli.argv)}", reward_funcs, os.path.dirname(script)
         on_start = (lambda trainer: write_run_arguments(args, *record)) if world.is_main else None  # dapo_args.json
         trainer = run_to_the_end(args, checkpoint, run, on_start, cli.debug, distributed.launcher(world.size))
     if world.is_main:  # the demo's commands run with this interpreter, activated venv or not
         if cli.demo:
             from dapo_utils.tiny_world import demo_summary
 
-            print(demo_summary(trainer.history, args, time.perf_counter() - cli.started, checkpoint, command))
+            print(demo_summary(trainer.history, args, time.perf_counter() - cli.started, checkpoint, again))
         else:
             print(accuracy_summary(args.output_dir))
     return trainer
+
+
+def prepare_output_dir(args, fresh_demo, fresh, num_reward_funcs, debug):
+    """Rank 0's checks and preparations before anything loads: a fresh demo first builds its world in a folder of
+    its own, which it claims; the model and data folders exist; a fresh run claims output_dir (an earlier run's
+    logs and checkpoints go, or the run is refused). Returns (model_path, data_path)."""
+    if fresh_demo:
+        from dapo_utils.tiny_world import demo_world
+
+        try:
+            args.model_path, args.data_path = demo_world(args.output_dir, args.system_prompt, args.overwrite_output_dir)
+        except WriteFailed as error:  # a full disk
+            fail(error, debug, "free space, then run the same command again")
+    check_before_loading(args, num_reward_funcs)
+    if fresh:
+        claim_output_dir(args.output_dir, args.overwrite_output_dir)
+    return args.model_path, args.data_path
 
 
 def run_to_the_end(args, checkpoint, run, on_start, debug, launcher):

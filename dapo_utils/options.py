@@ -39,7 +39,14 @@ OPTIONS = [  # (section, flag, argparse keywords); a section named by a field: t
     (MODES, "--demo", dict(action="store_true", help="train a tiny built-in world on the CPU (no download)")),
     (MODES, "--eval_only", dict(action="store_true", help="evaluate model_path on the test split, no training")),
     (MODES, "--compare", dict(metavar="MODEL", help="with --eval_only: a second model, in a before/after table")),
-    (MODES, "--resume", dict(metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest'")),
+    (
+        MODES,
+        "--resume",
+        dict(
+            metavar="CHECKPOINT",
+            help="continue from output_dir/checkpoint_N, 'latest', or 'auto': the newest if any, else a fresh run",
+        ),
+    ),
     (MODES, "--plot", dict(metavar="DIR", help="draw DIR/curves.png from an existing output folder, then exit")),
     (MODES, "--check_rewards", dict(action="store_true", help="score each reference answer as a response, exit")),
     ("preset", "--preset", dict(choices=["seed", "paper"], default="seed", help="the settings below start from")),

@@ -1,8 +1,9 @@
 """The output folder a run writes to: it holds the folder for the whole run (hold_output_dir, a lock file with
 its PID, host and start time: lock_refusal, lock_holder, process_runs), and a fresh run claims it
 (claim_output_dir: an earlier run's logs and checkpoints cleared with --overwrite_output_dir=true, else refused;
-earlier_run says what is there); a run that ends before it wrote anything leaves no lock and no empty folder.
-Used by launch.py (every run) and tiny_world.py (the demo's own folder)."""
+earlier_run says what is there); a run that ends before it wrote anything leaves no lock and no empty folder;
+under torchrun every node must see it (unshared_folder: rank 0's lock, read on every rank). Used by launch.py
+(every run) and tiny_world.py (the demo's own folder)."""
 
 import contextlib
 import errno
@@ -138,15 +139,11 @@ def process_runs(pid, start=None):
 
 
 @contextlib.contextmanager
-def hold_output_dir(output_dir, take_over=False, enabled=True, resuming=False):
+def hold_output_dir(output_dir, take_over=False, resuming=False):
     """This run holds output_dir (lock_refusal) until the block ends, however it ends: normally, by an error,
     by Ctrl-C, SIGTERM or sys.exit; then the folders it made for the run go again if they are empty (a refused
     run leaves nothing behind). Refused: exit in one line naming the holder. resuming: a lock whose process is
-    dead on this host is taken over with a notice. enabled=False holds nothing (torchrun's ranks but rank 0,
-    which holds the folder for the job)."""
-    if not enabled:
-        yield
-        return
+    dead on this host is taken over with a notice. Under torchrun rank 0 alone holds it, for the job."""
     made = missing_folders(output_dir)
     try:
         os.makedirs(output_dir, exist_ok=True)
@@ -188,3 +185,21 @@ def remove_if_empty(folders):
             os.rmdir(folder)
         except OSError:  # not empty (or gone): it and those above it stay
             return
+
+
+def unshared_folder(world, output_dir):
+    """'' when every rank of the run (world: its distributed.World) sees in output_dir the lock that rank 0 holds
+    there, else the line that refuses the run before training: rank 0 alone writes the logs, checkpoints and the
+    model, and every rank reads the checkpoint it resumes, so the nodes must share the folder. Collective."""
+    if world.size == 1:
+        return ""
+    holder = world.from_rank_0(this_process() if world.is_main else None)
+    seen = world.gather((lock_holder(os.path.join(output_dir, LOCK_FILE)) == holder, socket.gethostname()))
+    blind = sorted({host for sees, host in seen if not sees})
+    if not blind:
+        return ""
+    return (
+        f"error: output_dir {output_dir!r} is not shared between the nodes: host {', '.join(blind)} does not see "
+        f"the {LOCK_FILE} that rank 0 holds there on host {holder['host']}; rank 0 alone writes the checkpoints and "
+        "every rank reads the one it resumes: put output_dir on a filesystem every node mounts at the same path"
+    )

@@ -3,8 +3,9 @@
 
     dist_worker.py SCENARIO MODEL_DIR DATA_DIR OUT_DIR [JSON overrides]
 
-Generation is scripted (fixed responses per prompt), so that one process and several see the same groups; the
-"main" scenario runs train.main({"argv": [...]}) as train.py does, with vLLM sampling, recording each rank's rollouts.
+Generation is scripted (fixed responses per prompt, and in "sampling_order" per optimizer step), so that one process
+and several see the same groups; the "main" scenario runs train.main({"argv": [...]}) as train.py does, with vLLM
+sampling, recording each rank's rollouts.
 Rank 0 writes OUT_DIR/result.pt; every rank writes OUT_DIR/rank_R.json.
 """
 
@@ -55,6 +56,50 @@ def scripted_sampler(trainer, skip_on_rank=None):
         return torch.cat([input_ids, torch.tensor(rows, device=input_ids.device)], dim=1), None
 
     trainer.sample = sample
+
+
+def step_dependent_sampler(trainer):
+    """Responses that depend on the prompt, the optimizer step and their place in the group alone, whichever rank
+    samples them (so a prompt sampled at another step than one process samples it draws other responses). By a
+    hash of (prompt, step) a group is: all G alike (1 in 5: every filter skips it), half right (3 in 5: every
+    filter keeps it), or all wrong in formats that score differently (1 in 5: the seed's filter keeps it, the
+    paper's correctness skips it)."""
+    tok, G = trainer.tokenizer, trainer.args.num_generations
+    answers = {row["prompt"]: row["answer"] for row in trainer.train_dataset}
+
+    def sample(input_ids, attention_mask):
+        rows = []
+        for i, (ids, mask) in enumerate(zip(input_ids, attention_mask)):
+            question = tok.decode(ids[mask.bool()]).split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
+            h, j = zlib.crc32(f"{question}|{trainer.state.update_steps}".encode()), i % G
+            kind, right = h % 5, answers.get(question, 0)  # 0: alike, 4: all wrong, else half right
+            answer = right if 0 < kind < 4 and j % 2 == 0 else right + 1 + (j if kind else 0)
+            think = str(h % 10) * (1 + (h + (j if kind else 0)) % 5)
+            tagged = kind != 4 or j % 2 == 0
+            text = f"<think>\n{think}\n</think>\n<answer>\n{answer}\n</answer>\n" if tagged else str(answer)
+            rows.append(tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+        width = max(map(len, rows))
+        rows = [r + [tok.pad_token_id] * (width - len(r)) for r in rows]
+        return torch.cat([input_ids, torch.tensor(rows, device=input_ids.device)], dim=1), None
+
+    trainer.sample = sample
+
+
+def group_hash(group):
+    """A group's rows (its prompt and response tokens), hashed."""
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(group.prompt_response_ids, group.attention_mask)]
+    return zlib.crc32(json.dumps(rows).encode())
+
+
+def recording_micro_batches(trainer, record):
+    """trainer.make_micro_batches, appending [step, each group's hash] of this rank's part of every rollout."""
+    make = trainer.make_micro_batches
+
+    def recording(groups):
+        record.append([trainer.state.update_steps, [group_hash(group) for group in groups]])
+        return make(groups)
+
+    trainer.make_micro_batches = recording
 
 
 def make_trainer(output_dir, **settings):
@@ -131,6 +176,25 @@ elif scenario == "starved_rank":  # rank 1 keeps no group: rank 0 fills every st
     except KeyboardInterrupt:  # trainer.stop(): after the checkpoint
         report["sigterm_stopped_at"] = trainer.state.update_steps
         report["sigterm_saved"] = sorted(f for f in os.listdir(out + "_sigterm") if f.startswith("checkpoint_"))
+elif scenario == "sampling_order":  # the demo's step (16 prompts x 8 responses), both filters, 3 steps
+    resume_from, fresh = overrides.pop("resume_from", None), overrides.pop("fresh", True)  # a checkpoint_2's run
+    demo_step = dict(num_generations=8, batch_size=4, max_generate_length=20, lr=3e-4, max_grad_norm=1.0)
+    demo_step |= dict(max_steps=3, save_steps=2, epoch=10)
+    for metric in ("reward", "correctness"):
+        runs = ([(metric, None)] if fresh else []) + ([(f"{metric}_resumed", resume_from)] if resume_from else [])
+        for name, source in runs:
+            trainer = make_trainer(os.path.join(out, name), **demo_step, filter_metric=metric, **overrides)
+            step_dependent_sampler(trainer)
+            report[name] = {"micro_batches": []}
+            recording_micro_batches(trainer, report[name]["micro_batches"])
+            if source:  # the fresh run's checkpoint_2 in another launch, of another number of processes
+                resume_run(trainer, os.path.join(source, metric, "checkpoint_2"))
+            else:
+                result["initial"] = weights(trainer)
+            trainer.train()
+            result[name] = weights(trainer)
+            report[name] |= {key: [r[key] for r in trainer.history] for key in ("grad_norm", "num_gen_batches")}
+            report[name]["skipped_groups"] = trainer.world.sum(trainer.state.skipped_groups)
 elif scenario == "main":  # train.py's main (training or --eval_only), with vLLM: what each rank sampled
     DapoTrainer.generate_samples = recording_generate_samples(report.setdefault("rollouts", []))
     train.main(overrides["argv"])

@@ -499,8 +499,8 @@ def first_rollout(rollouts):
 
 def test_two_processes_draw_the_one_process_first_rollout(demo, ddp):
     """Every response's seed is made of (seed, step, its prompt's place in the epoch, its place in the group): the
-    demo's prompts sampled at step 0 on 1 process (batches of 4) and on 2 (batches of 2, rank r: batches r, r + 2,
-    ...) get the same response ids."""
+    demo's prompts sampled at step 0 on 1 process (batches of 4) and on 2 (batches of 2, each rank its consecutive
+    part of a sampling call) get the same response ids."""
     one, (zero, first) = first_rollout(demo[2]), [first_rollout(rollouts) for rollouts in ddp[2]]
     assert zero and first and not zero.keys() & first.keys()  # each rank samples prompts of its own
     both = one.keys() & (zero | first).keys()
