@@ -587,22 +587,6 @@ class DapoTrainer:
         with contextlib.nullcontext() if self.vllm else self.world.unsharded(self.model):
             return self.generate_experiences(join_batches(batches)) if batches else ([], {})
 
-    def take_rollout(self, count):
-        """This rank's groups of the next rollout, or None while all ranks together hold fewer than count. The
-        rollout is the first count buffered groups in the sampling order, wherever they were sampled (one
-        process's buffer[:count], however many processes sample: distributed.rollout_order); each rank trains its
-        part of every optimizer step (step_shares), sent over by the ranks that hold them (collective)."""
-        world, buffer, steps = self.world, self.state.buffer, self.args.steps_per_generation
-        order = distributed.rollout_order(world.gather([group.index for group in buffer]), count)  # [(rank, at)]
-        if order is None:
-            return None
-        parts = [distributed.step_shares(order, steps, rank, world.size) for rank in range(world.size)]
-        incoming = world.exchange([[buffer[at] for rank, at in part if rank == world.rank] for part in parts])
-        incoming = [iter(groups) for groups in incoming]  # each rank's, in this rank's order
-        taken = {at for rank, at in order if rank == world.rank}
-        self.state.buffer = [group for at, group in enumerate(buffer) if at not in taken]
-        return [next(incoming[rank]) for rank, _ in parts[world.rank]]
-
     @torch.no_grad()
     def make_micro_batches(self, groups):
         """The rollout's groups (Samples) as MicroBatches of batch_size groups, each padded to its longest, with
@@ -715,14 +699,16 @@ class DapoTrainer:
                     state.rounds += len(call)
                     kept_any = self.world.any(bool(kept))  # on any rank: collective
                     self.empty_rounds = 0 if kept_any else self.empty_rounds + len(call)
-                    rollout = self.take_rollout(groups_per_rollout)  # None: not enough groups yet
-                    if rollout is None:
+                    taken = self.world.take_rollout(state.buffer, groups_per_rollout, args.steps_per_generation)
+                    if taken is None:  # not enough groups yet
                         check_rounds(self, metrics)  # guards.py: a run that keeps no group ends in one line
                         if self.world.any(self.stop_requested):  # Ctrl-C or SIGTERM between sampling rounds
                             self.stop()
                         continue
-                    # 2. The rollout: micro-batches of batch_size groups, with pi_old's and pi_ref's log-probs.
+                    # 2. The rollout: the first valid groups in the sampling order (one process: the buffer's
+                    #    first), as micro-batches of batch_size groups, with pi_old's and pi_ref's log-probs.
                     start = time.perf_counter()
+                    rollout, state.buffer = taken  # under torchrun: this rank's part of each step
                     state.rollout = self.make_micro_batches(rollout)
                     state.updates_done = 0
                     metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)

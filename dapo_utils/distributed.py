@@ -271,6 +271,21 @@ class World:
         needed = max(1, -(-(per_rank * self.size - held) // batch_size))
         return max(needed, -(-generation_batch_size // batch_size))
 
+    def take_rollout(self, buffer, count, steps):
+        """The next rollout from every rank's buffered groups (buffer: this rank's, each with its .index, its place in
+        the epoch's prompt order): the first `count` in that order, wherever they were sampled (one process:
+        buffer[:count], the seed's). Returns (this rank's part of every one of the `steps` optimizer steps, sent
+        over by the ranks that hold them; the groups it keeps buffered), or None while all hold fewer. Collective."""
+        order = rollout_order(self.gather([group.index for group in buffer]), count)  # [(rank, position)]
+        if order is None:
+            return None
+        parts = [step_shares(order, steps, rank, self.size) for rank in range(self.size)]
+        incoming = self.exchange([[buffer[at] for rank, at in part if rank == self.rank] for part in parts])
+        incoming = [iter(groups) for groups in incoming]  # each rank's, in this rank's order
+        taken = {at for rank, at in order if rank == self.rank}
+        kept = [group for at, group in enumerate(buffer) if at not in taken]
+        return [next(incoming[rank]) for rank, _ in parts[self.rank]], kept
+
     def exchange(self, outgoing):
         """Objects between ranks: outgoing[t] goes to rank t (this rank's own entry stays here, untouched). Returns
         what each rank sent this one, in rank order, its tensors on this rank's device. One scatter per rank."""
