@@ -26,6 +26,7 @@ from dapo_utils.checkpoints import (
     find_checkpoints,
 )
 from dapo_utils.data import load_split
+from dapo_utils.presets import PRESETS
 from dapo_utils.run_dir import LOCK_FILE
 
 
@@ -106,7 +107,9 @@ def parse_cli(arguments_class, argv=None):
     Fields that are not given stay out of the overrides, so that presets and checkpoints can fill them. --help
     shows the modes first, then the fields in the sections of arguments_class (field_sections).
     """
-    mode = "[--demo | --eval_only [--compare=MODEL] | --resume=CHECKPOINT | --plot=DIR | --check_rewards]"
+    mode = (
+        "[--demo | --eval_only [--compare=MODEL] | --resume=CHECKPOINT | --plot DIR... | --check_rewards | --ablation]"
+    )
     usage = f"train.py {mode} [--preset=NAME] [--field=value ...]"
     parser = HfArgumentParser(None, usage=usage, description="DAPO training on GSM8K (Chinese).", allow_abbrev=False)
     modes = parser.add_argument_group("modes (none: train with the settings below)")
@@ -114,9 +117,13 @@ def parse_cli(arguments_class, argv=None):
     modes.add_argument("--eval_only", action="store_true", help="evaluate model_path on the test split, no training")
     modes.add_argument("--compare", metavar="MODEL", help="with --eval_only: a second model, in a before/after table")
     modes.add_argument("--resume", metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest'")
-    modes.add_argument("--plot", metavar="DIR", help="draw DIR/curves.png from an existing output folder, then exit")
+    modes.add_argument("--plot", metavar="DIR", nargs="+", help="draw DIR/curves.png; several DIRs: overlay.png, exit")
     modes.add_argument("--check_rewards", action="store_true", help="score each reference answer as a response, exit")
-    modes.add_argument("--preset", choices=["seed", "paper"], default="seed", help="seed's or the paper's settings")
+    modes.add_argument("--preset", choices=PRESETS, default="seed", help="named settings: docs/paper-options.md")
+    modes.add_argument("--ablation", action="store_true", help="the paper's ladder, rung by rung: docs/ablation.md")
+    modes.add_argument("--seeds", default="42,1,2", help="with --ablation: the seeds each rung runs with")
+    modes.add_argument("--variants", action="store_true", help="with --ablation: also the GRPO family (dr_grpo, gspo)")
+    modes.add_argument("--jobs", type=int, default=0, help="with --ablation: runs at a time (0: a core each on CPU)")
     modes.add_argument("--take_over_lock", action="store_true", help=f"take over {LOCK_FILE} of a run that has ended")
     fields = {f.name: f for f in dataclasses.fields(help_only(arguments_class))}
     for title, names in field_sections(arguments_class).items():
@@ -137,6 +144,12 @@ def parse_cli(arguments_class, argv=None):
     namespace = parser.parse_args(argv, namespace=unset)
     if namespace.compare and not namespace.eval_only:
         parser.error("--compare=MODEL compares two models without training: add --eval_only")
+    flags, ladder = {token.split("=")[0] for token in argv}, {"--seeds", "--variants", "--jobs"}
+    if flags & ladder and not namespace.ablation:
+        parser.error(f"{min(flags & ladder)} sets up the ablation ladder: add --ablation")
+    clash = flags & {"--resume", "--eval_only", "--compare", "--plot", "--check_rewards", "--preset", "--seed"}
+    if clash and namespace.ablation:
+        parser.error(f"--ablation runs each rung's preset with each of --seeds: it takes no {min(clash)}")
     given = {name: getattr(namespace, name) for name in fields}
     return namespace, {name: value for name, value in given.items() if value is not dataclasses.MISSING}
 

@@ -1,6 +1,6 @@
-"""What `python train.py` does around a run: its modes (--plot, --check_rewards, --eval_only, --demo, --resume), the
-output folder it holds while it writes there, the checks before anything loads, and the summary at the end. The
-run itself is train.py's `run` (the seed's entry point: build the trainer, train, save the model); train.py's
+"""What `python train.py` does around a run: its modes (--plot, --check_rewards, --eval_only, --demo, --resume,
+--ablation: a run per rung and seed, ablation.py), the output folder it holds while it writes there, the checks
+before anything loads, and the summary at the end. The run itself is train.py's `run` (the seed's entry point: build the trainer, train, save the model); train.py's
 `main` hands this module its pieces, so that the package never imports the script.
 """
 
@@ -37,6 +37,12 @@ def main(argv, arguments_class, build_args, build_trainer, run, rewards_module):
         sys.exit(f"error: {error}")
     if status is not None:
         sys.exit(status)
+    if cli.ablation:  # every rung and seed a `python train.py` of its own, once the checks a run makes first pass
+        from dapo_utils.ablation import run_ablation
+
+        if not cli.demo:
+            check_before_loading(args, len(reward_funcs))
+        return run_ablation(cli, given, build_args, sys.modules[arguments_class.__module__].__file__)
     if cli.eval_only:  # checked before anything loads
         models = check_eval_only(args, cli.compare)
     world = distributed.setup(args.device, args.num_threads)  # torchrun: rank 0 alone prepares the folders

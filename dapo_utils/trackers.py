@@ -12,7 +12,7 @@ import torch
 
 def step_record(step, metrics):
     """One optimizer step's metrics ({name: values from every micro-step, group or response}) as one record:
-    totals for times, loss, tokens and failed answer checks; mean / min / max response length; mean and std per
+    totals for times, loss, tokens, model FLOPs and failed answer checks; mean / min / max response length; mean and std per
     reward function (None rewards, NaN here, left out); the largest of the maxima; the mean of everything else. Per-token values
     (a list per micro-step: vllm_sampler.sampler_correction's) are reduced over the step's tokens: the gap's
     mean, median, 95th percentile and maximum (fresh and lagged groups apart), the weights' effective sample size,
@@ -27,6 +27,7 @@ def step_record(step, metrics):
             "loss",
             "num_tokens",
             "vllm/lagged_groups",
+            "perf/flops",
         ):
             record[key] = sum(values)
         elif key == "completions/length":
