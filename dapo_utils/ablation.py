@@ -18,6 +18,7 @@ output_dir (default ./output/ablation), beside the runs' folders:
 
 import concurrent.futures
 import json
+import math
 import os
 import platform
 import subprocess
@@ -138,8 +139,7 @@ def run_all(todo, out, settings, script, jobs):
         os.makedirs(os.path.join(out, preset), exist_ok=True)
         start = time.perf_counter()
         with open(run_log(out, preset, seed), "a", encoding="utf-8") as log:
-            command = run_command(out, preset, seed, settings, script)
-            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+            code = run_process(run_command(out, preset, seed, settings, script), log)
         return code, time.perf_counter() - start
 
     failed = []
@@ -158,6 +158,11 @@ def run_all(todo, out, settings, script, jobs):
                 outcome = f"failed (exit code {code}): {run_log(out, preset, seed)}"
             print(f"[{count}/{len(todo)}] {preset} seed {seed}: {outcome}, {seconds:.0f} s", flush=True)
     return failed
+
+
+def run_process(command, log):
+    """Run one command to its end, its output to the open file log; returns its exit code."""
+    return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
 
 
 def run_result(folder):
@@ -215,7 +220,8 @@ COLUMNS = [
 
 
 def spread(values, style):
-    """'mean +- std' over seeds ('mean' for one seed); '-' for none."""
+    """'mean ± std' over seeds ('mean' for one seed); '-' for none (a metric a run does not log is NaN)."""
+    values = [value for value in values if not math.isnan(value)]
     if not values:
         return "-"
     text = style.format(fmean(values))

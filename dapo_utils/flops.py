@@ -93,9 +93,9 @@ def peak_flops(device, bf16=True, tf32=True):
 @functools.lru_cache(maxsize=None)
 def matmul_probe(device, dtype, threads, size=None, repeats=5):
     """The fastest of `repeats` square matmuls on this device, in FLOP/s: a peak this code can reach (threads: the
-    CPU threads it ran on; the cache key). Measured once per process."""
+    CPU threads it runs on, part of the cache key). Measured once per process."""
     size = size or (1024 if device == "cpu" else 8192)
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    a = b = torch.full((size, size), 0.5, device=device, dtype=dtype)  # no draw from torch's RNG: a run's samples stay
     best = float("inf")
     for _ in range(repeats + 1):  # the first call warms up
         if device != "cpu":

@@ -26,8 +26,8 @@ def test_help_shows_the_modes_first_then_the_fields_in_their_sections(monkeypatc
     assert titles[:2] == ["paths and run", "optimisation (seed: plain Adam, constant lr)"] and len(titles) == 7
     assert headings == ["options", "modes (none: train with the settings below)", *titles]
     assert text.startswith(
-        "usage: train.py [--demo | --eval_only [--compare=MODEL] | --resume=CHECKPOINT | --plot=DIR | --check_rewards] "
-        "[--preset=NAME] [--field=value ...]\n"
+        "usage: train.py [--demo | --eval_only [--compare=MODEL] | --resume=CHECKPOINT | --plot DIR... | --check_rewards "
+        "| --ablation] [--preset=NAME] [--field=value ...]\n"
     )
     modes = text.split("modes (none: train with the settings below):\n")[1].split("\n\n")[0]
     options = re.findall(r"^  (--\w+)", modes, flags=re.M)
@@ -39,6 +39,10 @@ def test_help_shows_the_modes_first_then_the_fields_in_their_sections(monkeypatc
         "--plot",
         "--check_rewards",
         "--preset",
+        "--ablation",
+        "--seeds",
+        "--variants",
+        "--jobs",
         "--take_over_lock",
     ]
     sections = field_sections(DapoArguments)  # each field in the group of its section, in the class's order
