@@ -38,7 +38,7 @@ from dapo_utils.curves import redraw_curves
 from dapo_utils.data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_system_prompt
 from dapo_utils.distributed import rollout_share
 from dapo_utils.evaluation import evaluate_model, logged_metrics
-from dapo_utils.flops import model_shape, pass_flops, peak_flops, perf_metrics, sampling_flops
+from dapo_utils.flops import log_prob_flops, model_shape, pass_flops, peak_flops, perf_metrics, sampling_flops
 from dapo_utils.guards import RunStopped, check_finite, check_rounds, check_weights, starvation_advice
 from dapo_utils.kernels import generate_sharing_prompts, output_layer_scores, reuse_freed_memory, sampling_processors
 from dapo_utils.packing import join_batches, micro_batch_groups, numbered, pack_sequences, pad_and_cat
@@ -152,9 +152,7 @@ class DapoArguments:
     answer_checker: Checker = arg("number", "compare answers as numbers (seed) or as maths: 'math_verify'")
     reward_timeout: float = arg(0.0, "seconds a reward call may take, then the run stops; 0 = no limit", at_least=0)
     filter_metric: FilterMetric = arg("reward", "skip a group: 'reward' all totals equal (seed), 'correctness' Eq. 11")
-    scale_rewards: ScaleRewards = arg(
-        "group", "advantage / std of the 'group' (seed), the 'batch', or 'none' (Dr. GRPO)"
-    )
+    scale_rewards: ScaleRewards = arg("group", "advantage / std of the 'group' (seed) or 'batch'; 'none': Dr. GRPO")
     max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit", at_least=0)
     max_empty_rounds: int = arg(200, "stop after this many rounds in a row keep no group; 0 = never (seed)", at_least=0)
     overlong_buffer_len: int = arg(0, "L_cache of the soft overlong punishment (Eq. 13); 0 = off")
@@ -709,9 +707,7 @@ class DapoTrainer:
                     state.rollout += [m for p in pads for m in self.make_micro_batches([p])]  # each its own micro-batch
                     state.updates_done = 0
                     metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)
-                    for m in state.rollout:  # pi_old's and pi_ref's forward passes, where taken
-                        passes = (m.old_action_log_probs is not None) + (m.ref_action_log_probs is not None)
-                        metrics["perf/flops"].append(pass_flops(self.flop_shape, *self.model_inputs(m)[1:], passes))
+                    metrics["perf/flops"].append(log_prob_flops(self.flop_shape, state.rollout))  # pi_old's, pi_ref's
                     metrics["num_gen_batches"].append(state.rounds)
                     state.rounds = 0
 

@@ -634,9 +634,10 @@ def print_results(opts, results, check, device_name):
     base = results[DEFAULT]["bench/wall"] if DEFAULT in results else math.nan
     groups = opts.batch_size * opts.gradient_accumulation_steps  # per optimizer step (filter_metric none)
     work = results[DEFAULT]["perf/flops"] if DEFAULT in results else math.nan  # the same work in every row
+    peak = max(r["peak_flops"] for r in results.values())  # each worker's probe; the highest is the nearest the peak
 
     def mfu(r):  # the step's model FLOPs (the default's count: every row does that work) / (step s x the peak)
-        return (r["perf/flops"] if math.isnan(work) else work) / (r["bench/wall"] * r["peak_flops"])
+        return (r["perf/flops"] if math.isnan(work) else work) / (r["bench/wall"] * peak)
 
     head = (
         f"{'configuration':<26}{'step s':>8}{'MFU':>7}{'s/grp':>7}{'x def':>7}{'sample':>8}{'reward':>8}{'old/ref':>8}{'train':>8}"
@@ -655,7 +656,7 @@ def print_results(opts, results, check, device_name):
         f"\nstep s: wall seconds per optimizer step (mean of {opts.steps} after {opts.warmup} warm-up"
         f"{f', fastest of {opts.repeats} runs' if opts.repeats > 1 else ''}); MFU: the default's model FLOPs per step "
         "(perf/flops: the same work in every row, dapo_utils/flops.py) / (step s x the device's peak: a GPU's datasheet "
-        "dense rate, a CPU's matmul probe); sample/reward/old/ref/train: trainer.history's phase "
+        f"dense rate, a CPU's matmul probe, the highest of the workers': {peak / 1e9:.0f} GFLOP/s); sample/reward/old/ref/train: trainer.history's phase "
         "totals per step; x def: step time / the default's; smp tok/s: sampled tokens / sampling s; trn tok/s: trained tokens / "
         f"training s; peak GiB: {'max_memory_allocated' if opts.device.startswith('cuda') else 'peak RSS (VmHWM)'} over the measured "
         f"steps, +GiB: that minus the level before them; s/grp: step s per sampled group; real / procd: tokens per step "

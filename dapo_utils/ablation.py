@@ -7,6 +7,7 @@ this interpreter (memory and threads start clean; on a CPU, with one thread a ru
 output_dir (default ./output/ablation), beside the runs' folders:
 
     world/              --demo: the demo's world (data, tokenizer, warmed-up model), built once for every run
+    SETTINGS            the --field=value settings of every run: a later command with others is refused
     RUNG/seed_S.log     the run's output
     RUNG/seed_S/RESULT  what the tables read of a finished run (run_result): a run that has it is not run again,
                         so that the same command continues an interrupted ladder (a run with checkpoints resumes)
@@ -36,6 +37,7 @@ from dapo_utils.writes import writing
 
 LADDER_DIR = os.path.join(".", "output", "ablation")
 RESULT = "ablation_run.json"  # in a finished run's folder
+SETTINGS = "ablation_settings.json"  # in output_dir: the settings every run of the ladder shares
 # The demo's settings, but a length budget that responses can reach: an answer takes 13 tokens (15 when it has two
 # digits), so that the soft punishment (L_cache 16 // 5 = 3) starts past a one-digit answer and a response that
 # rambles is cut at 16 (overlong filtering); at the demo's 20 neither ever acts.
@@ -59,8 +61,35 @@ def parse_seeds(text):
 
 def as_flags(settings):
     """{field: value} as train.py's --field=value arguments (booleans true/false, lists comma-separated)."""
-    text = lambda v: str(v).lower() if isinstance(v, bool) else ",".join(map(str, v)) if isinstance(v, list) else v  # noqa: E731
+
+    def text(value):
+        if isinstance(value, bool):
+            return str(value).lower()
+        return ",".join(map(str, value)) if isinstance(value, list) else value
+
     return [f"--{key}={text(value)}" for key, value in settings.items()]
+
+
+def cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def check_same_settings(out, settings):
+    """The runs of one ladder share their settings: the first command records them in out/SETTINGS, and a later one
+    with other settings is refused in one line (its runs would sit beside the others' in one table)."""
+    path = os.path.join(out, SETTINGS)
+    if not os.path.exists(path):
+        with writing("the ladder's settings", path), open(path, "w", encoding="utf-8") as f:
+            json.dump(settings, f, indent=1, ensure_ascii=False)
+        return
+    with open(path, encoding="utf-8") as f:
+        recorded = json.load(f)
+    changed = sorted(key for key in recorded.keys() | settings.keys() if recorded.get(key) != settings.get(key))
+    if changed:
+        sys.exit(
+            f"error: {out!r} holds a ladder of other settings ({', '.join(changed)}; see {path}): give the same ones "
+            "to continue it, or another --output_dir"
+        )
 
 
 def run_ablation(cli, given, build_args, script):
@@ -76,18 +105,18 @@ def run_ablation(cli, given, build_args, script):
             build_args(preset, settings)  # each rung's settings valid before any run starts
     except ValueError as error:
         sys.exit(f"error: {error}")
-    threads = base.num_threads or os.cpu_count()
-    jobs = cli.jobs or (max(1, len(os.sched_getaffinity(0)) // threads) if base.device == "cpu" else 1)
+    jobs = cli.jobs or (max(1, cores() // (base.num_threads or cores())) if base.device == "cpu" else 1)
     with hold_output_dir(out, cli.take_over_lock, resuming=True):  # one ladder in the folder
         if cli.demo:
             settings["model_path"], settings["data_path"] = demo_world(out, base.system_prompt)
-        started, load = time.perf_counter(), os.getloadavg()[0]
+        check_same_settings(out, settings)
+        started, load = time.perf_counter(), os.getloadavg()[0]  # the commit the runs start from
+        machine = dict(date=date.today().isoformat(), commit=git_commit(), device=device_name(base.device))
         todo = [(run, seed) for run in runs for seed in seeds if not finished(out, run[0], seed)]
         done = len(runs) * len(seeds) - len(todo)
         print(f"ablation: {len(runs)} presets x {len(seeds)} seeds in {out}, {done} done before; {jobs} at a time")
         failed = run_all(todo, out, settings, script, jobs)
         results = {run[0]: read_results(out, run[0], seeds) for run in runs}
-        machine = dict(date=date.today().isoformat(), commit=git_commit(), device=device_name(base.device))
         machine |= dict(load_average=[load, os.getloadavg()[0]], wall_seconds=time.perf_counter() - started)
         table = write_reports(out, runs, seeds, results, settings, machine)
     print(table)
@@ -244,14 +273,15 @@ def table(runs, results):
 def write_reports(out, runs, seeds, results, settings, machine):
     """ablation.json, ablation.md and ablation.png in out. Returns the table."""
     markdown = table(runs, results)
-    command = " ".join(["python train.py --ablation", *as_flags(settings)])
-    counts = {preset: len(results[preset]) for preset, *_ in runs}
+    command = " ".join(["python train.py --preset=PRESET --seed=SEED", *as_flags(settings)])
+    counts = ", ".join(f"{preset} {len(results[preset])}" for preset, *_ in runs)
     lines = [
         f"# Ablation: {', '.join(p for p, *_ in runs)}",
         "",
         f"{machine['date']}, commit {machine['commit']}, {machine['device']}; seeds {','.join(map(str, seeds))}; "
         f"load average {machine['load_average'][0]:.1f} at the start, {machine['load_average'][1]:.1f} at the end.",
-        f"Runs finished per preset: {counts}. Settings over each preset: `{command}`.",
+        f"Finished runs per preset: {counts}; {machine['wall_seconds'] / 60:.0f} min wall for the runs of this command.",
+        f"Each run: `{command}`.",
         "",
         markdown,
         "",

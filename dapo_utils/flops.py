@@ -66,6 +66,13 @@ def pass_flops(shape, attention_mask, num_actions, passes=1):
     return passes * (2 * shape.decoder * int(lengths.sum()) + 2 * shape.head * responses + shape.attention * pairs)
 
 
+def log_prob_flops(shape, micro_batches):
+    """FLOPs of the forward passes that took pi_old's and pi_ref's log-probs of a rollout's micro-batches (train.py's
+    MicroBatch: a pass where old_action_log_probs, ref_action_log_probs are set)."""
+    passes = [(m.old_action_log_probs is not None) + (m.ref_action_log_probs is not None) for m in micro_batches]
+    return sum(pass_flops(shape, m.attention_mask, m.action_mask.size(1), n) for m, n in zip(micro_batches, passes))
+
+
 def sampling_flops(shape, attention_mask, num_actions):
     """FLOPs of drawing one group: its prompt's pass once (kernels.generate_sharing_prompts), then each drawn token
     through the decoder and the output layer, attending to the prompt and the tokens before it (the KV cache).
@@ -91,10 +98,12 @@ def peak_flops(device, bf16=True, tf32=True):
 
 
 @functools.lru_cache(maxsize=None)
-def matmul_probe(device, dtype, threads, size=None, repeats=5):
+def matmul_probe(device, dtype, threads, size=None, repeats=20):
     """The fastest of `repeats` square matmuls on this device, in FLOP/s: a peak this code can reach (threads: the
-    CPU threads it runs on, part of the cache key). Measured once per process."""
-    size = size or (1024 if device == "cpu" else 8192)
+    CPU threads it runs on, part of the cache key). Measured once per process, in about 0.1 s on a CPU: many short
+    products, so that on a shared machine some run undisturbed (512 x 512 on one Xeon thread: 153 GFLOP/s three
+    times in a row; 5 products of 1024 x 1024 read 72 to 76, half of it)."""
+    size = size or (512 if device == "cpu" else 8192)
     a = b = torch.full((size, size), 0.5, device=device, dtype=dtype)  # no draw from torch's RNG: a run's samples stay
     best = float("inf")
     for _ in range(repeats + 1):  # the first call warms up

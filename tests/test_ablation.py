@@ -12,7 +12,7 @@ import torch
 from conftest import make_batch
 from dapo_utils import ablation, curves
 from dapo_utils.cli import parse_cli
-from dapo_utils.flops import model_shape, pass_flops, sampling_flops
+from dapo_utils.flops import log_prob_flops, model_shape, pass_flops, sampling_flops
 from dapo_utils.presets import PRESETS, paper_preset
 from dapo_utils.tiny_world import DEMO_ARGS
 from train import DapoArguments, MicroBatch, aggregate_loss, build_args, dapo_per_token_loss, group_advantages
@@ -221,6 +221,11 @@ def test_flops_from_the_shapes_by_hand(make_trainer):
     tokens, responses, pairs = 4 + 3, 2 + 1, (4 * 5 + 3 * 4) // 2  # causal: token k attends to k tokens
     forward = 2 * shape.decoder * tokens + 2 * shape.head * responses + shape.attention * pairs
     assert pass_flops(shape, mask, 2) == forward and pass_flops(shape, mask, 2, passes=3) == 3 * forward
+    # pi_old's and pi_ref's passes over a rollout: one micro-batch with both, one with pi_old's alone, one with none
+    both = MicroBatch(mask, mask, mask[:, 3:], None, old_action_log_probs=1, ref_action_log_probs=1)
+    old = dataclasses.replace(both, ref_action_log_probs=None)
+    none = dataclasses.replace(old, old_action_log_probs=None)
+    assert log_prob_flops(shape, [both, old, none]) == 3 * forward
     # drawing that group: the prompt's pass once, then 3 drawn tokens attending to 2 + 1, 2 + 2 and 2 + 1 tokens
     drawn = 2 * shape.decoder * (2 + 3) + 2 * shape.head * 3 + shape.attention * (3 + 3 + 4 + 3)
     assert sampling_flops(shape, mask, 2) == drawn
@@ -270,6 +275,8 @@ def test_an_interrupted_ladder_continues_without_redoing_finished_runs(tmp_path,
     report = (tmp_path / "ablation.md").read_text()
     assert "| `clip_higher` | + clip-higher | Sec. 3.1 | 38 | +0.010 vs overlong_filter | 0.320 ± 0.000 |" in report
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
+    with pytest.raises(SystemExit, match="holds a ladder of other settings \\(lr; "):  # no run beside other settings'
+        main(argv + ["--lr=1e-4"])
 
 
 def test_the_ladder_runs_every_rung_and_plot_overlays_two_runs(tmp_path, monkeypatch):
