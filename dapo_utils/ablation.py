@@ -115,7 +115,7 @@ def run_ablation(cli, given, build_args, script):
         todo = [(run, seed) for run in runs for seed in seeds if not finished(out, run[0], seed)]
         done = len(runs) * len(seeds) - len(todo)
         print(f"ablation: {len(runs)} presets x {len(seeds)} seeds in {out}, {done} done before; {jobs} at a time")
-        failed = run_all(todo, out, settings, script, jobs)
+        failed = run_all(todo, out, settings, script, jobs, dict(date=machine["date"], commit=machine["commit"]))
         results = {run[0]: read_results(out, run[0], seeds) for run in runs}
         machine |= dict(load_average=[load, os.getloadavg()[0]], wall_seconds=time.perf_counter() - started)
         table = write_reports(out, runs, seeds, results, settings, machine)
@@ -161,8 +161,9 @@ def run_command(out, preset, seed, settings, script):
     return command + as_flags(settings) + again
 
 
-def run_all(todo, out, settings, script, jobs):
-    """Run each (run, seed) of todo, jobs at a time; a finished one gets its RESULT. Returns the failed (preset, seed)."""
+def run_all(todo, out, settings, script, jobs, stamp):
+    """Run each (run, seed) of todo, jobs at a time; a finished one gets its RESULT, with stamp (the date and commit
+    it ran at). Returns the failed (preset, seed)."""
 
     def run_one(preset, seed):
         os.makedirs(os.path.join(out, preset), exist_ok=True)
@@ -177,7 +178,7 @@ def run_all(todo, out, settings, script, jobs):
         for count, future in enumerate(concurrent.futures.as_completed(futures), 1):
             (preset, seed), (code, seconds) = futures[future], future.result()
             if code == 0:
-                result = run_result(run_folder(out, preset, seed)) | {"wall_seconds": seconds}
+                result = run_result(run_folder(out, preset, seed)) | {"wall_seconds": seconds} | stamp
                 with writing("the run's result", os.path.join(run_folder(out, preset, seed), RESULT)):
                     with open(os.path.join(run_folder(out, preset, seed), RESULT), "w", encoding="utf-8") as f:
                         json.dump(result, f, indent=1)
@@ -275,11 +276,13 @@ def write_reports(out, runs, seeds, results, settings, machine):
     markdown = table(runs, results)
     command = " ".join(["python train.py --preset=PRESET --seed=SEED", *as_flags(settings)])
     counts = ", ".join(f"{preset} {len(results[preset])}" for preset, *_ in runs)
+    made = sorted({f"{r['date']}, commit {r['commit']}" for by_seed in results.values() for r in by_seed.values()})
+    note = f"runs of {'; '.join(made)}; {machine['device']}; seeds {','.join(map(str, seeds))}"
     lines = [
         f"# Ablation: {', '.join(p for p, *_ in runs)}",
         "",
-        f"{machine['date']}, commit {machine['commit']}, {machine['device']}; seeds {','.join(map(str, seeds))}; "
-        f"load average {machine['load_average'][0]:.1f} at the start, {machine['load_average'][1]:.1f} at the end.",
+        f"{note[0].upper()}{note[1:]}. This command: {machine['date']}, commit {machine['commit']}, load average "
+        f"{machine['load_average'][0]:.1f} at the start, {machine['load_average'][1]:.1f} at the end.",
         f"Finished runs per preset: {counts}; {machine['wall_seconds'] / 60:.0f} min wall for the runs of this command.",
         f"Each run: `{command}`.",
         "",
@@ -301,7 +304,8 @@ def write_reports(out, runs, seeds, results, settings, machine):
     groups = {
         f"{preset} ({label})": [run_folder(out, preset, s) for s in results[preset]] for preset, label, *_ in runs
     }
-    plot_overlay({label: folders for label, folders in groups.items() if folders}, os.path.join(out, "ablation.png"))
+    groups = {label: folders for label, folders in groups.items() if folders}
+    plot_overlay(groups, os.path.join(out, "ablation.png"), note=note)
     return markdown
 
 

@@ -205,7 +205,7 @@ def save_figure(fig, path):
     """Write fig to path whole (a temporary file, then renamed), close it, and return path."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.02 if fig.texts else 0, 1, 1))  # room for a note under the panels
     try:
         with writing("the curves", path):
             fig.savefig(path + ".tmp.png", dpi=100)
@@ -236,10 +236,10 @@ def run_series(output_dir, key):
     return dict(zip(steps, smooth(points[step] for step in steps)))
 
 
-def plot_overlay(groups, path):
+def plot_overlay(groups, path, note=None):
     """Several runs on OVERLAY_PANELS, a colour per label: groups {label: [output_dir, ...]} (the seeds of one
     setting), drawn as the mean over its runs at the steps they share, and with several runs their range (lowest to
-    highest) as a band. Returns path."""
+    highest) as a band; note: a line under the panels (where and when the runs were made). Returns path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -265,6 +265,8 @@ def plot_overlay(groups, path):
     if axes[0].get_legend_handles_labels()[0]:  # one legend, outside the axes, right
         axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     axes[-1].set_xlabel("update step")
+    if note:
+        fig.text(0.01, 0.005, note, fontsize=7, color="gray", va="bottom")
     return save_figure(fig, path)
 
 
