@@ -32,6 +32,7 @@ LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "sam
 # What one optimizer step is made of: changing one of these on resume would silently change the run.
 STEP_SETTINGS = ("num_generations", "batch_size", "gradient_accumulation_steps", "steps_per_generation")
 STEP_SETTINGS += ("num_iterations", "loss_agg_mode", "filter_metric", "seed", "use_vllm")
+STEP_SETTINGS += ("scale_rewards", "importance_sampling_level")  # the advantages buffered, the ratio of the loss
 STEP_SETTINGS += ("lora_r", "lora_alpha", "lora_target_modules")  # the adapters' shapes and scale
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: the folder holds LoRA adapters (lora.py), not a whole model
 
