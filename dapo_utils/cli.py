@@ -117,13 +117,13 @@ def parse_cli(arguments_class, argv=None):
     modes.add_argument("--eval_only", action="store_true", help="evaluate model_path on the test split, no training")
     modes.add_argument("--compare", metavar="MODEL", help="with --eval_only: a second model, in a before/after table")
     modes.add_argument("--resume", metavar="CHECKPOINT", help="continue from output_dir/checkpoint_N, or 'latest'")
-    modes.add_argument("--plot", metavar="DIR", nargs="+", help="draw DIR/curves.png; several DIRs: overlay.png, exit")
+    modes.add_argument("--plot", metavar="DIR", nargs="+", help="draw DIR/curves.png; several DIRs: one overlay.png")
     modes.add_argument("--check_rewards", action="store_true", help="score each reference answer as a response, exit")
     modes.add_argument("--preset", choices=PRESETS, default="seed", help="named settings: docs/paper-options.md")
     modes.add_argument("--ablation", action="store_true", help="the paper's ladder, rung by rung: docs/ablation.md")
     modes.add_argument("--seeds", default="42,1,2", help="with --ablation: the seeds each rung runs with")
     modes.add_argument("--variants", action="store_true", help="with --ablation: also the GRPO family (dr_grpo, gspo)")
-    modes.add_argument("--jobs", type=int, default=0, help="with --ablation: runs at a time (0: a core each on CPU)")
+    modes.add_argument("--jobs", type=int, default=0, help="with --ablation: runs at a time (0: cores / num_threads)")
     modes.add_argument("--take_over_lock", action="store_true", help=f"take over {LOCK_FILE} of a run that has ended")
     fields = {f.name: f for f in dataclasses.fields(help_only(arguments_class))}
     for title, names in field_sections(arguments_class).items():
