@@ -5,7 +5,7 @@ RL fine-tuning of a chat LLM on grade-school math (GSM8K, Chinese), after the DA
 "seed"; docs/differences-from-seed.md lists where it deviates). Read it top to bottom:
 
     1. data            Samples (one group), MicroBatch (batch_size groups, padded); the rows: data.GSM8KDataset
-    2. settings        DapoArguments (edit the defaults in place, or `--field=value`), paper_preset
+    2. settings        DapoArguments (edit the defaults in place, or `--field=value`); presets: dapo_utils/presets.py
     3. DAPO maths      group_advantages, keep_groups, dapo_per_token_loss, aggregate_loss, ...
     4. the trainer     DapoTrainer.train is Algorithm 1 in one loop: sample groups -> rewards ->
                        advantages -> dynamic-sampling filter -> buffer -> micro-batches ->
@@ -41,15 +41,18 @@ from dapo_utils.checkpoints import save_final_model, save_run_checkpoint, say
 from dapo_utils.cli import check_arguments
 from dapo_utils.curves import redraw_curves
 from dapo_utils.data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_system_prompt
-from dapo_utils.evaluation import evaluate_model, logged_metrics
-from dapo_utils.guards import RunStopped, check_finite, check_rounds, check_rows, check_weights, starvation_advice
-from dapo_utils.kernels import generate_sharing_prompts, output_layer_scores, reuse_freed_memory, sampling_processors
+from dapo_utils.evaluation import LOGGED_EXAMPLES, evaluate_model, logged_metrics
+from dapo_utils.flops import log_prob_flops, model_shape, pass_flops, peak_flops, perf_metrics, sampling_flops
+from dapo_utils.guards import check_data_ran_out, check_finite, check_rounds, check_rows, check_weights
+from dapo_utils.kernels import bf16_autocast, generate_sharing_prompts, output_layer_scores, reuse_freed_memory
+from dapo_utils.kernels import sampling_processors
 from dapo_utils.notices import warn
 from dapo_utils.packing import join_batches, micro_batch_groups, numbered, pack_sequences, pad_and_cat
 from dapo_utils.packing import pad_and_cat_groups, padded_sequences, trim_group, unpack
+from dapo_utils.presets import preset_fields
 from dapo_utils.rewards import answer_checker, load_reward_models, reward_column, reward_func_name
 from dapo_utils.rewards import reward_functions, reward_weight_tensor
-from dapo_utils.trackers import loss_diagnostics, make_tracker, step_record
+from dapo_utils.trackers import loss_diagnostics, make_tracker, round_metrics, step_record
 from dapo_utils.writes import append_log
 
 SYSTEM_PROMPT = """
@@ -103,7 +106,8 @@ class MicroBatch:
 # 2. Settings
 # ============================================================
 FilterMetric = Literal["reward", "correctness", "none"]  # dynamic sampling's rule
-LossAggMode = Literal["seed", "token-mean", "seq-mean-token-mean"]
+LossAggMode = Literal["seed", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]  # the last: Dr. GRPO
+ScaleRewards, ISLevel = Literal["group", "batch", "none"], Literal["token", "sequence"]  # TRL's names and values
 Tracker = Literal["none", "tensorboard", "wandb", "trackio"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]  # importance sampling (TRL)
 AnswerFormat, Checker = Literal["number", "gsm8k", "latex"], Literal["number", "math_verify"]  # data.py, rewards.py
@@ -159,6 +163,7 @@ class DapoArguments:
     filter_metric: FilterMetric = arg(
         "reward", "skip a group: 'reward' if all totals are equal (seed), 'correctness' Eq. 11, 'none' never"
     )
+    scale_rewards: ScaleRewards = arg("group", "advantage / std of the 'group' (seed) or 'batch'; 'none': Dr. GRPO")
     max_num_gen_batches: int = arg(0, "max sampling rounds to fill one optimizer step; 0 = no limit", at_least=0)
     max_empty_rounds: int = arg(200, "stop after this many rounds in a row keep no group; 0 = never (seed)", at_least=0)
     overlong_buffer_len: int = arg(0, "overlong punishment of the last this many tokens (L_cache, Eq. 13); 0 = off")
@@ -168,7 +173,8 @@ class DapoArguments:
     beta: float = arg(0.0, "KL coefficient; 0 = no reference model (saves memory)", at_least=0)
     clip_eps_low: float = arg(0.2, "ratio clipped below at 1 - clip_eps_low")
     clip_eps_high: float = arg(0.28, "ratio clipped above at 1 + clip_eps_high (clip-higher)")
-    loss_agg_mode: LossAggMode = arg("seed", "'seed' per-group token mean, 'token-mean' Eq. 12, 'seq-mean-token-mean'")
+    loss_agg_mode: LossAggMode = arg("seed", "'seed' per-group token mean, 'token-mean' Eq. 12, GRPO's, Dr. GRPO's")
+    importance_sampling_level: ISLevel = arg("token", "ratio per 'token' (seed) or per response, 'sequence' (GSPO)")
     # --- evaluation, logs and checkpoints ---
     eval_steps: int = arg(10, "evaluate every this many optimizer steps (and before training)", at_least=1)
     eval_samples: int = arg(100, "random test problems per evaluation; 0 = the whole split", at_least=0)
@@ -210,34 +216,22 @@ class DapoArguments:
         check_arguments(self)
 
 
-def paper_preset(max_generate_length):
-    """The paper's recipe (arXiv 2503.14476, Sec. 4.1; verl's recipe/dapo), scaled to this setting."""
-    return dict(
-        filter_metric="correctness",  # paper Eq. (11): keep groups with 0 < |correct| < G
-        loss_agg_mode="token-mean",  # paper Eq. (12): token-level policy-gradient loss over the whole step
-        overlong_buffer_len=max_generate_length // 5,  # paper Eq. (13): L_cache = 4096 of L_max = 20480
-        steps_per_generation=4,  # paper: 16 updates per rollout (512 x 16 responses, mini-batches of 512)
-        temperature=1.0,  # verl's recipe samples the policy itself: temperature 1, no top-k, top-p 1
-        top_k=0,
-        score_with_temperature=True,  # TRL and verl score under the sampling distribution
-        weight_decay=0.1,  # AdamW: verl's DAPO script (the paper: AdamW, constant lr 1e-6)
-        warmup_steps=10,  # verl's DAPO script (the paper: linear warm-up over 20 rollout steps)
-        max_grad_norm=1.0,  # verl's DAPO script
-    )
-
-
 # ============================================================
 # 3. DAPO maths: small pure functions, each with its equation
 # ============================================================
-def group_advantages(rewards):
+def group_advantages(rewards, scale_rewards="group"):
     """GRPO/DAPO advantage, Eq. (9): A_i = (R_i - mean(R)) / (std(R) + 1e-8) within each group.
 
-    rewards: [B, G] -> advantages [B, G]; std is the unbiased one, as torch.std and the seed. A group whose
+    rewards: [B, G] -> advantages [B, G]; std is the unbiased one, as torch.std and the seed. scale_rewards (TRL's):
+    "group" divides by each group's std (Eq. 9), "batch" by the std of all B * G rewards (the sampling call's, on
+    this process), "none" by nothing: A_i = R_i - mean(R), Dr. GRPO (arXiv 2503.20783, Sec. 3.2). A group whose
     rewards are all equal gets exactly 0: in float32 their mean can differ from them (G = 8 times 0.3).
     """
-    mean, std = rewards.mean(dim=1, keepdim=True), rewards.std(dim=1, keepdim=True)
+    mean = rewards.mean(dim=1, keepdim=True)  # [B, 1]
+    std = {"group": rewards.std(dim=1, keepdim=True), "batch": rewards.std(), "none": None}[scale_rewards]
+    advantages = rewards - mean if std is None else (rewards - mean) / (std + 1e-8)
     equal = rewards.amax(dim=1, keepdim=True) == rewards.amin(dim=1, keepdim=True)  # [B, 1]
-    return ((rewards - mean) / (std + 1e-8)).masked_fill(equal, 0.0)
+    return advantages.masked_fill(equal, 0.0)
 
 
 def keep_groups(advantages, correct, filter_metric):
@@ -285,15 +279,28 @@ def is_truncated(response_ids, response_lengths, eos_token_ids):
     return ~torch.isin(last_token, torch.tensor(eos_token_ids, device=response_ids.device))
 
 
-def dapo_per_token_loss(log_probs, old_log_probs, advantages, clip_eps_low, clip_eps_high):
+def sequence_log_ratio(log_probs, old_log_probs, mask):
+    """GSPO's importance ratio (arXiv 2507.18071, Eq. 7), in log space, one per response:
+
+        log s_i = (1 / |o_i|) * sum_t (log pi(o_t) - log pi_old(o_t))     over the response's tokens (mask)
+    [N, T] -> [N, 1]. The gradient reaches every token's log pi, each weighted 1 / |o_i|.
+    """
+    return ((log_probs - old_log_probs) * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+
+
+def dapo_per_token_loss(log_probs, old_log_probs, advantages, clip_eps_low, clip_eps_high, sequence_mask=None):
     """Clip-higher surrogate, Eq. (10), per token:
 
         loss_t = -min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A),   r_t = pi(o_t) / pi_old(o_t)
 
     log_probs, old_log_probs: [N, T]; advantages: [N] (one per response, broadcast over tokens).
-    Returns (loss [N, T], ratio [N, T]).
+    sequence_mask ([N, T], importance_sampling_level="sequence"): r_t is GSPO's s_i (sequence_log_ratio) at every
+    token of response i, so the clip keeps or drops a response whole. Returns (loss [N, T], ratio [N, T]).
     """
-    ratio = torch.exp(log_probs - old_log_probs)
+    log_ratio = log_probs - old_log_probs  # [N, T]
+    if sequence_mask is not None:
+        log_ratio = sequence_log_ratio(log_probs, old_log_probs, sequence_mask).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
     advantages = advantages.unsqueeze(1)
     return -torch.min(ratio * advantages, clipped * advantages), ratio
@@ -308,20 +315,24 @@ def k3_kl(log_probs, ref_log_probs, mask):
     return log_ratio.exp() - 1 - log_ratio
 
 
-def loss_normaliser(action_mask, mode, num_generations):
-    """What one micro-batch adds to its optimizer step's loss denominator: tokens ("token-mean"),
-    responses ("seq-mean-token-mean") or groups ("seed"). action_mask: [N, T]."""
+def loss_normaliser(action_mask, mode, num_generations, max_length=None):
+    """What one micro-batch adds to its optimizer step's loss denominator: tokens ("token-mean"), responses
+    ("seq-mean-token-mean"), groups ("seed"), or responses * max_length ("seq-mean-token-sum-norm", Dr. GRPO's
+    constant: max_generate_length; None = the padded width T, verl's default). action_mask: [N, T]."""
     if mode == "token-mean":
         return int(action_mask.sum())
+    if mode == "seq-mean-token-sum-norm":
+        return action_mask.size(0) * (action_mask.size(1) if max_length is None else max_length)
     return action_mask.size(0) if mode == "seq-mean-token-mean" else action_mask.size(0) // num_generations
 
 
-def aggregate_loss(per_token_loss, mask, mode, num_generations, normaliser=None):
+def aggregate_loss(per_token_loss, mask, mode, num_generations, normaliser=None, max_length=None):
     """This micro-batch's share of its optimizer step's loss: a sum over its units / the step's unit count.
 
-      "seed":                per group, sum over its G responses' tokens / its token count; mean over groups
-      "token-mean":          Eq. (12): sum over every token of the step / the step's token count
-      "seq-mean-token-mean": GRPO: each response's token mean, then the mean over responses
+      "seed":                    per group, sum over its G responses' tokens / its token count; mean over groups
+      "token-mean":              Eq. (12): sum over every token of the step / the step's token count
+      "seq-mean-token-mean":     GRPO: each response's token mean, then the mean over responses
+      "seq-mean-token-sum-norm": Dr. GRPO (Sec. 3.2): sum over every token / (responses * max_length), a constant
     per_token_loss, mask: [N, T]. normaliser: the step's total of loss_normaliser over its micro-batches
     (None: this micro-batch is the whole step). Fully masked groups or responses contribute 0.
     """
@@ -330,11 +341,11 @@ def aggregate_loss(per_token_loss, mask, mode, num_generations, normaliser=None)
         group_sums = per_token_loss.view(-1, num_generations, mask.size(1)).sum(dim=(1, 2))  # [B]
         group_tokens = mask.view(-1, num_generations, mask.size(1)).sum(dim=(1, 2))  # [B]
         total = (group_sums / group_tokens.clamp(min=1)).sum()
-    elif mode == "token-mean":
-        total = per_token_loss.sum()
-    else:
+    elif mode == "seq-mean-token-mean":
         total = (per_token_loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum()
-    normaliser = loss_normaliser(mask, mode, num_generations) if normaliser is None else normaliser
+    else:  # "token-mean", "seq-mean-token-sum-norm": every token alike
+        total = per_token_loss.sum()
+    normaliser = loss_normaliser(mask, mode, num_generations, max_length) if normaliser is None else normaliser
     return total / max(normaliser, 1)
 
 
@@ -365,13 +376,6 @@ class LoopState:
         self.rollout = None if self.rollout is None else [MicroBatch(**m) for m in self.rollout]
 
 
-class NoTrainingStep(RunStopped):
-    """The run ended without a single optimizer step."""
-
-
-NUM_LOGGED_EXAMPLES = 4  # evaluation problems written to samples.jsonl at each evaluation
-
-
 class DapoTrainer:
     def __init__(
         self, model=None, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, tokenizer=None,
@@ -385,6 +389,7 @@ class DapoTrainer:
         # away. Forward passes may still autocast to bf16 on CUDA (args.bf16).
         device = "cpu" if args.fsdp else args.device  # --fsdp: each rank's shard goes to the device, not all of it
         self.model = policy_model(model, args, device)  # lora_r > 0: wrapped with LoRA adapters, the base frozen
+        self.flop_shape, self.peak_flops = model_shape(self.model), peak_flops(args.device, args.bf16, args.tf32)  # mfu
         self.world.broadcast_parameters(self.model)
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -441,11 +446,8 @@ class DapoTrainer:
 
     update_steps = property(lambda self: self.state.update_steps)  # the seed's name for optimizer steps taken
 
-    def autocast(self):
-        """bf16 autocast for forward passes on CUDA; float32 (a no-op context) elsewhere."""
-        if self.args.bf16 and self.args.device.startswith("cuda"):
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    def autocast(self):  # bf16 forward passes on CUDA (args.bf16); a no-op context elsewhere
+        return bf16_autocast(self.args)
 
     # ---- 4.1 sampling ----
     def encode_prompts(self, prompts):
@@ -555,7 +557,7 @@ class DapoTrainer:
             rewards = rewards + penalty
             metrics["rewards/soft_overlong_punishment"] = penalty.tolist()
         rewards = rewards.view(-1, G)  # [B, G]
-        advantages = group_advantages(rewards)  # [B, G]
+        advantages = group_advantages(rewards, args.scale_rewards)  # [B, G]
         correct = None  # [B, G] bool: what the paper's filter counts
         if "correctness_reward" in self.reward_names:
             correct = rewards_per_func[:, self.reward_names.index("correctness_reward")].view(-1, G) > 0
@@ -568,15 +570,9 @@ class DapoTrainer:
             if args.overlong_filter:  # a response cut off by the length budget says nothing about its answer
                 action_mask = action_mask * ~truncated.view(-1, G)[g].unsqueeze(1)
             kept.append(dataclasses.replace(samples_list[g], action_mask=action_mask, advantages=advantages[g]))
-        reward_std = rewards.std(dim=1)  # [B]
         metrics |= {"time/sampling": [sampling_time], "time/reward": [time.perf_counter() - start]}
-        metrics |= dict(reward=rewards.flatten().tolist(), reward_std=reward_std.tolist())
-        metrics["frac_reward_zero_std"] = (reward_std == 0).float().tolist()
-        metrics["frac_groups_skipped"] = (~keep).float().tolist()
-        alike = [len(set(responses[g * G : (g + 1) * G])) == 1 for g in range(len(samples_list))]  # [B]
-        metrics["frac_identical_groups"] = [float(a) for a in alike]  # a collapsed policy: guards.check_rounds
-        metrics["completions/length"] = lengths.tolist()
-        metrics["completions/clipped_ratio"] = truncated.float().tolist()
+        metrics |= round_metrics(rewards, keep, responses, lengths, truncated)  # trackers.py: rewards, skips, lengths
+        metrics["perf/flops"] = [sampling_flops(self.flop_shape, samples_list)]  # this round's drawing
         return kept, metrics
 
     def sample_round(self, batches):
@@ -617,7 +613,8 @@ class DapoTrainer:
         old_log_probs = log_probs.detach() if old_log_probs is None else old_log_probs
         advantages = inputs.advantages  # [N]
         eps = (args.clip_eps_low, args.clip_eps_high)
-        per_token_loss, ratio = dapo_per_token_loss(log_probs, old_log_probs, advantages, *eps)  # [N, T] each
+        per_sequence = action_mask if args.importance_sampling_level == "sequence" else None  # GSPO
+        per_token_loss, ratio = dapo_per_token_loss(log_probs, old_log_probs, advantages, *eps, per_sequence)  # [N, T]
         sampler_log_probs, metrics, kl = inputs.sampler_log_probs, {}, None  # [N, T] (use_vllm)
         if sampler_log_probs is not None:  # vLLM drew the tokens, the loss assumes pi_old did: gap, guard, weights
             from dapo_utils.vllm_sampler import sampler_correction
@@ -627,7 +624,8 @@ class DapoTrainer:
         if args.beta != 0.0:
             kl = k3_kl(log_probs, inputs.ref_action_log_probs, action_mask)  # [N, T]
             per_token_loss = per_token_loss + args.beta * kl
-        loss = aggregate_loss(per_token_loss, action_mask, args.loss_agg_mode, args.num_generations, normaliser)
+        units = (args.loss_agg_mode, args.num_generations, normaliser, args.max_generate_length)
+        loss = aggregate_loss(per_token_loss, action_mask, *units)
         if not return_metrics:
             return loss
         return loss, metrics | loss_diagnostics(ratio, advantages, entropy, kl, action_mask, *eps)
@@ -653,8 +651,11 @@ class DapoTrainer:
         start = time.perf_counter()
         loss, metrics = self.compute_loss(model, inputs, normaliser, return_metrics=True)
         loss.backward()
-        loss, num_tokens = torch.stack([loss.detach().double(), inputs.action_mask.sum().double()]).tolist()  # 1 read
-        return metrics | {"loss": loss, "num_tokens": int(num_tokens), "time/training": time.perf_counter() - start}
+        flops = pass_flops(self.flop_shape, inputs.attention_mask, inputs.action_mask.size(1), passes=3)  # fwd + bwd
+        numbers = torch.stack([loss.detach().double(), inputs.action_mask.sum().double(), flops])
+        loss, num_tokens, flops = numbers.tolist()  # one read from the device
+        metrics |= {"loss": loss, "num_tokens": int(num_tokens), "perf/flops": flops}
+        return metrics | {"time/training": time.perf_counter() - start}
 
     # ---- 4.6 Algorithm 1 ----
     def train(self):
@@ -672,6 +673,7 @@ class DapoTrainer:
         start_steps, self.empty_rounds = state.update_steps, 0
         calls = self.prompt_batches()  # this epoch's sampling calls
         metrics = defaultdict(list)  # what this optimizer step gathered
+        step_start = time.perf_counter()  # time/step: from the step's first sampling round to its optimizer step
         bar = dict(total=self.global_steps, initial=state.update_steps, desc="DAPO", unit="step", dynamic_ncols=True)
         bar = tqdm(**bar, disable=not self.world.is_main)
         with bar as self.progress, deferred_interrupts(self), contextlib.closing(self.tracker):
@@ -697,8 +699,7 @@ class DapoTrainer:
                         metrics[key] += values
                     state.buffer += kept
                     state.rounds += len(call)
-                    kept_any = self.world.any(bool(kept))  # on any rank: collective
-                    self.empty_rounds = 0 if kept_any else self.empty_rounds + len(call)
+                    self.empty_rounds = 0 if self.world.any(bool(kept)) else self.empty_rounds + len(call)  # all ranks
                     taken = self.world.take_rollout(state.buffer, groups_per_rollout, args.steps_per_generation)
                     if taken is None:  # not enough groups yet
                         check_rounds(self, metrics)  # guards.py: a run that keeps no group ends in one line
@@ -712,6 +713,7 @@ class DapoTrainer:
                     state.rollout = self.make_micro_batches(rollout)
                     state.updates_done = 0
                     metrics["time/old_ref_log_probs"].append(time.perf_counter() - start)
+                    metrics["perf/flops"].append(log_prob_flops(self.flop_shape, state.rollout))  # pi_old's, pi_ref's
                     metrics["num_gen_batches"].append(state.rounds)
                     state.rounds = 0
 
@@ -719,7 +721,8 @@ class DapoTrainer:
                 #    (num_iterations passes over steps_per_generation slices).
                 step_in_rollout = state.updates_done % args.steps_per_generation
                 micro_batches = distributed.step_slice(state.rollout, step_in_rollout, args.steps_per_generation)
-                normaliser = sum(loss_normaliser(m.action_mask, args.loss_agg_mode, G) for m in micro_batches)
+                units = (args.loss_agg_mode, G, args.max_generate_length)
+                normaliser = sum(loss_normaliser(m.action_mask, *units) for m in micro_batches)
                 normaliser = self.world.sum(normaliser)  # the whole step's units, over every rank
                 self.model.train()
                 for inputs in micro_batches:
@@ -741,6 +744,7 @@ class DapoTrainer:
                     state.rollout = None
 
                 # 4. Step end: evaluate, log, save, stop.
+                metrics["time/step"].append(time.perf_counter() - step_start)
                 metrics = self.world.gather_step(metrics)  # every rank's numbers, in rank order
                 stop = self.world.any(self.stop_requested)  # Ctrl-C or SIGTERM, on any rank
                 for loss in metrics["loss"]:  # the seed's file: a line per micro-step, numbered by the steps before
@@ -753,12 +757,8 @@ class DapoTrainer:
                     self.stop()
                 if state.update_steps % args.save_steps == 0:
                     save_run_checkpoint(self)
-        if state.update_steps == start_steps:  # every group was skipped, to the end of the data
-            raise NoTrainingStep(f"the data ran out before one optimizer step: {starvation_advice(args)}")
-        if state.update_steps < self.global_steps:
-            skipped = self.world.sum(state.skipped_groups)
-            bound = f"{self.global_steps} was an upper bound; dynamic sampling skipped {skipped} groups"
-            tqdm.write(f"the data ran out after {state.update_steps} steps: {bound}")
+                step_start = time.perf_counter()
+        check_data_ran_out(self, start_steps)  # guards.py: none or fewer steps than the bar's bound, said so
 
     def prompt_batches(self):
         """This epoch's sampling calls, each the prompt batches the rollout still needs over all ranks
@@ -793,11 +793,10 @@ class DapoTrainer:
 
     def log_step(self, metrics):
         """This optimizer step's record: to metrics.jsonl, the tracker and the progress bar."""
-        record = step_record(self.state.update_steps, metrics) | {
-            "skipped_groups": self.world.sum(self.state.skipped_groups)
-        }
+        record = step_record(self.state.update_steps, metrics)
+        record |= {key: self.world.sum(getattr(self.state, key)) for key in ("skipped_groups", "truncated_prompts")}
         record |= self.eval_record if self.state.update_steps % self.args.eval_steps == 0 else {}  # evaluated now
-        record["truncated_prompts"] = self.world.sum(self.state.truncated_prompts)  # every rank's, whole run
+        record |= perf_metrics(record, self.peak_flops, self.world.size)  # perf/throughput, perf/mfu (flops.py)
         if self.args.device.startswith("cuda"):  # this step's peak: the counter starts again after each record
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.args.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.args.device)
@@ -806,6 +805,7 @@ class DapoTrainer:
         self.tracker.log(record)
         postfix = dict(loss=f"{record['loss']:.4f}", reward=f"{record.get('reward', math.nan):.3f}")
         postfix.update(skipped=f"{record.get('frac_groups_skipped', 0.0):.2f}", acc=f"{self.last_accuracy:.2f}")
+        postfix.update({"tok/s": f"{record['perf/throughput']:.0f}", "mfu": f"{record['perf/mfu']:.2%}"})
         self.progress.set_postfix(postfix, refresh=False)
         self.progress.update(1)
 
@@ -840,8 +840,7 @@ class DapoTrainer:
     def evaluate(self, num_samples=100, batch_size=20, return_examples=False):
         """The seed's accuracy (strict) of sampled answers to num_samples random test problems (a small eval set: all);
         self.eval_record: every metric (evaluate_model). With return_examples, also the first problems' records."""
-        num_examples = NUM_LOGGED_EXAMPLES if return_examples else 0
-        metrics, _, examples = evaluate_model(self, num_samples, batch_size, num_examples)
+        metrics, _, examples = evaluate_model(self, num_samples, batch_size, LOGGED_EXAMPLES if return_examples else 0)
         self.eval_record = logged_metrics(metrics)
         return (metrics["accuracy_strict"], examples) if return_examples else metrics["accuracy_strict"]
 
@@ -857,11 +856,10 @@ class DapoTrainer:
 # 5. Entry point
 # ============================================================
 def build_args(preset, overrides):
-    """DapoArguments from the preset and the command-line overrides (overrides win)."""
-    if preset == "paper":
-        max_generate_length = overrides.get("max_generate_length", DapoArguments.max_generate_length)
-        overrides = {**paper_preset(max_generate_length), **overrides}
-    return DapoArguments(**overrides)
+    """DapoArguments from the preset (presets.py: seed, the paper's ladder, paper, the GRPO family) and the command-line
+    overrides (overrides win)."""
+    max_generate_length = overrides.get("max_generate_length", DapoArguments.max_generate_length)
+    return DapoArguments(**{**preset_fields(preset, max_generate_length), **overrides})
 
 
 def build_trainer(args, train=True):

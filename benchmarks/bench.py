@@ -354,8 +354,10 @@ def run_config(opts, world, name):
             "sampled_tokens",
             "bench/real_tokens",
             "bench/processed_tokens",
+            "perf/flops",
         ]
         result = {key: sum(r.get(key, 0.0) for r in measured) / len(measured) for key in keys}
+        result["peak_flops"] = trainer.peak_flops  # flops.peak_flops: the device's, for the MFU column
         result["bench/max_pass_tokens"] = max(r["bench/max_pass_tokens"] for r in measured)
         result["widths"] = sorted({tuple(w) for r in measured for w in r["bench/widths"]})
         result["peak_bytes"] = max(peak_memory(cuda), peaks[0])
@@ -384,6 +386,7 @@ def run_trl(opts, world, name):
     from transformers import LogitsProcessorList, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from dapo_utils.flops import peak_flops
     from dapo_utils.kernels import reuse_freed_memory
     from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
     from train import SYSTEM_PROMPT, DapoArguments, GSM8KDataset
@@ -505,6 +508,8 @@ def run_trl(opts, world, name):
         "peak_delta_bytes": peak - marks["base"],
         "build_seconds": build_seconds,
         "vllm_logprob_diff_max": None,
+        "perf/flops": math.nan,  # the MFU column counts the default's model FLOPs: the same work
+        "peak_flops": peak_flops(opts.device, bf16=cuda, tf32=True),
     }
 
 
@@ -634,22 +639,30 @@ def run_worker(opts, world, task):
 def print_results(opts, results, check, device_name):
     base = results[DEFAULT]["bench/wall"] if DEFAULT in results else math.nan
     groups = opts.batch_size * opts.gradient_accumulation_steps  # per optimizer step (filter_metric none)
+    work = results[DEFAULT]["perf/flops"] if DEFAULT in results else math.nan  # the same work in every row
+    peak = max(r["peak_flops"] for r in results.values())  # each worker's probe; the highest is the nearest the peak
+
+    def mfu(r):  # the step's model FLOPs (the default's count: every row does that work) / (step s x the peak)
+        return (r["perf/flops"] if math.isnan(work) else work) / (r["bench/wall"] * peak)
+
     head = (
-        f"{'configuration':<26}{'step s':>8}{'s/grp':>7}{'x def':>7}{'sample':>8}{'reward':>8}{'old/ref':>8}{'train':>8}"
+        f"{'configuration':<26}{'step s':>8}{'MFU':>7}{'s/grp':>7}{'x def':>7}{'sample':>8}{'reward':>8}{'old/ref':>8}{'train':>8}"
         f"{'smp tok/s':>10}{'trn tok/s':>10}{'peak GiB':>10}{'+GiB':>7}{'real':>7}{'procd':>7}{'max mb':>7}  widths N x (P+T)"
     )
     print(f"\n{head}\n{'-' * len(head)}")
     for name, r in results.items():
         widths = ",".join(f"{n}x{w}" for n, w in sorted(set(map(tuple, r["widths"]))))
         print(
-            f"{name:<26}{r['bench/wall']:>8.2f}{r['bench/wall'] / groups:>7.2f}{r['bench/wall'] / base:>7.2f}{r['time/sampling']:>8.2f}{r['time/reward']:>8.3f}"
+            f"{name:<26}{r['bench/wall']:>8.2f}{mfu(r):>7.2%}{r['bench/wall'] / groups:>7.2f}{r['bench/wall'] / base:>7.2f}{r['time/sampling']:>8.2f}{r['time/reward']:>8.3f}"
             f"{r['time/old_ref_log_probs']:>8.2f}{r['time/training']:>8.2f}{r['sampled_tokens'] / max(r['time/sampling'], 1e-9):>10.1f}"
             f"{r['num_tokens'] / max(r['time/training'], 1e-9):>10.1f}{r['peak_bytes'] / 2**30:>10.2f}{r['peak_delta_bytes'] / 2**30:>7.2f}"
             f"{r['bench/real_tokens']:>7.0f}{r['bench/processed_tokens']:>7.0f}{r['bench/max_pass_tokens']:>7.0f}  {widths}"
         )
     print(
         f"\nstep s: wall seconds per optimizer step (mean of {opts.steps} after {opts.warmup} warm-up"
-        f"{f', fastest of {opts.repeats} runs' if opts.repeats > 1 else ''}); sample/reward/old/ref/train: trainer.history's phase "
+        f"{f', fastest of {opts.repeats} runs' if opts.repeats > 1 else ''}); MFU: the default's model FLOPs per step "
+        "(perf/flops: the same work in every row, dapo_utils/flops.py) / (step s x the device's peak: a GPU's datasheet "
+        f"dense rate, a CPU's matmul probe, the highest of the workers': {peak / 1e9:.0f} GFLOP/s); sample/reward/old/ref/train: trainer.history's phase "
         "totals per step; x def: step time / the default's; smp tok/s: sampled tokens / sampling s; trn tok/s: trained tokens / "
         f"training s; peak GiB: {'max_memory_allocated' if opts.device.startswith('cuda') else 'peak RSS (VmHWM)'} over the measured "
         f"steps, +GiB: that minus the level before them; s/grp: step s per sampled group; real / procd: tokens per step "

@@ -40,6 +40,7 @@ LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "sam
 # (and gradient_accumulation_steps times the number of processes: resume checks it)
 STEP_SETTINGS = ("num_generations", "batch_size", "steps_per_generation")
 STEP_SETTINGS += ("num_iterations", "loss_agg_mode", "filter_metric", "seed", "use_vllm", "test_size")
+STEP_SETTINGS += ("scale_rewards", "importance_sampling_level")  # the advantages buffered, the ratio of the loss
 STEP_SETTINGS += ("lora_r", "lora_alpha", "lora_target_modules")  # the adapters' shapes and scale
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: the folder holds LoRA adapters (lora.py), not a whole model
 PATH_FIELDS = ("model_path", "data_path", "output_dir")  # saved absolute in dapo_args.json

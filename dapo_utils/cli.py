@@ -127,6 +127,12 @@ def parse_cli(arguments_class, argv=None):
     namespace = parser.parse_args(argv, namespace=unset)
     if namespace.compare and not namespace.eval_only:
         parser.error("--compare=MODEL compares two models without training: add --eval_only")
+    flags, ladder = {token.split("=")[0] for token in argv}, {"--seeds", "--variants", "--jobs"}
+    if flags & ladder and not namespace.ablation:
+        parser.error(f"{min(flags & ladder)} sets up the ablation ladder: add --ablation")
+    clash = flags & {"--resume", "--eval_only", "--compare", "--plot", "--check_rewards", "--preset", "--seed"}
+    if clash and namespace.ablation:
+        parser.error(f"--ablation runs each rung's preset with each of --seeds: it takes no {min(clash)}")
     given = {f.name: getattr(namespace, f.name) for f in fields}
     return namespace, {name: value for name, value in given.items() if value is not dataclasses.MISSING}
 

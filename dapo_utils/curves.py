@@ -1,7 +1,9 @@
 """curves.png: what a run's logs in output_dir say, read at a glance.
 
     plot_curves(output_dir) -> path of output_dir/curves.png
-    plot_command(output_dir) -> what `python train.py --plot=DIR` prints (a folder without logs: one line, exit)
+    plot_overlay({label: [output_dir, ...]}, path) -> path: several runs on the same panels (--plot A B, ablation.png)
+    plot_command(output_dirs) -> what `python train.py --plot DIR [DIR ...]` prints (a folder without logs: one line,
+                                 exit)
 
 Inputs (any may be missing; the seed's two text files alone are enough):
     training_losses.txt  "k,loss" per micro-step; it belongs to optimizer step k + 1, and the lines
@@ -135,15 +137,22 @@ def redraw_curves(output_dir):
         warn(f"could not draw curves.png: {error!r}")
 
 
-def plot_command(output_dir):
-    """`python train.py --plot=DIR`: draw DIR/curves.png and return the line that says so. A folder without the
-    logs plot_curves draws from exits in one line instead, naming its subfolders that have them."""
-    if has_logs(output_dir):
-        return f"wrote {plot_curves(output_dir)}"
-    found, problem = subfolders(output_dir, has_logs), f"error: {output_dir!r} holds no training logs to plot"
-    if not found:
-        sys.exit(f"{problem} ({', '.join(PLOTTED_LOGS)}): give the output_dir of a run")
-    sys.exit(f"{problem}; {in_words(found)} them: python train.py --plot={found[0]}")
+def plot_command(output_dirs):
+    """`python train.py --plot DIR [DIR ...]`: one folder: draw DIR/curves.png; several: overlay.png in their common
+    parent folder, a run per folder (plot_overlay). Returns the line that says so. A folder without the logs the
+    plots draw from exits in one line instead, naming its subfolders that have them."""
+    output_dirs = [output_dirs] if isinstance(output_dirs, str) else list(output_dirs)
+    for output_dir in output_dirs:
+        if not has_logs(output_dir):
+            found, problem = subfolders(output_dir, has_logs), f"error: {output_dir!r} holds no training logs to plot"
+            if not found:
+                sys.exit(f"{problem} ({', '.join(PLOTTED_LOGS)}): give the output_dir of a run")
+            sys.exit(f"{problem}; {in_words(found)} them: python train.py --plot={found[0]}")
+    if len(output_dirs) == 1:
+        return f"wrote {plot_curves(output_dirs[0])}"
+    parent = os.path.commonpath([os.path.abspath(d) for d in output_dirs])
+    path = os.path.join(os.path.relpath(parent), "overlay.png")
+    return f"wrote {plot_overlay({d: [d] for d in output_dirs}, path)}"
 
 
 def in_words(folders):
@@ -206,8 +215,14 @@ def plot_curves(output_dir):
             labels = [textwrap.fill(label, 48, subsequent_indent="  ") for label in labels]
             ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     axes[-1, 0].set_xlabel("update step")
-    fig.tight_layout()
-    path = os.path.join(output_dir, "curves.png")
+    return save_figure(fig, os.path.join(output_dir, "curves.png"))
+
+
+def save_figure(fig, path):
+    """Write fig to path whole (a temporary file, then renamed), close it, and return path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout(rect=(0, 0.02 if fig.texts else 0, 1, 1))  # room for a note under the panels
     try:
         with writing("the curves", path):
             fig.savefig(path + ".tmp.png", dpi=100)
@@ -217,6 +232,59 @@ def plot_curves(output_dir):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path + ".tmp.png")
     return path
+
+
+# plot_overlay's panels: (title, metrics.jsonl key; None: the strict accuracy of accuracy_losses.txt)
+OVERLAY_PANELS = (
+    ("held-out accuracy (strict)", None),
+    ("mean reward per response", "reward"),
+    ("entropy (trained tokens)", "entropy"),
+    ("response length (tokens, mean)", "completions/mean_length"),
+)
+
+
+def run_series(output_dir, key):
+    """{step: value} of one run: its strict accuracy at each evaluation (key None), or a metrics.jsonl key's moving
+    average (smooth)."""
+    if key is None:
+        return read_accuracies(output_dir)[0]
+    points = {r["step"]: r[key] for r in read_metrics(os.path.join(output_dir, "metrics.jsonl")) if key in r}
+    steps = sorted(points)
+    return dict(zip(steps, smooth(points[step] for step in steps)))
+
+
+def plot_overlay(groups, path, note=None):
+    """Several runs on OVERLAY_PANELS, a colour per label: groups {label: [output_dir, ...]} (the seeds of one
+    setting), drawn as the mean over its runs at the steps they share, and with several runs their range (lowest to
+    highest) as a band; note: a line under the panels (where and when the runs were made). Returns path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(OVERLAY_PANELS), 1, figsize=(10, 2.4 * len(OVERLAY_PANELS) + 0.4), sharex=True)
+    for ax, (title, key) in zip(axes, OVERLAY_PANELS):
+        for index, (label, folders) in enumerate(groups.items()):
+            runs = [run_series(folder, key) for folder in folders]
+            steps = sorted(set.intersection(*(set(run) for run in runs)))
+            if not steps:
+                continue
+            values = list(zip(*([run[step] for step in steps] for run in runs)))  # [step][run]
+            seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
+            marker = dict(marker="o", markersize=3) if key is None else {}
+            ax.plot(steps, [sum(v) / len(v) for v in values], color=f"C{index}", label=label + seeds, **marker)
+            if len(runs) > 1:
+                ax.fill_between(
+                    steps, [min(v) for v in values], [max(v) for v in values], color=f"C{index}", alpha=0.15
+                )
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.grid(alpha=0.3)
+    if axes[0].get_legend_handles_labels()[0]:  # one legend, outside the axes, right
+        axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    axes[-1].set_xlabel("update step")
+    if note:
+        fig.text(0.01, 0.005, note, fontsize=7, color="gray", va="bottom")
+    return save_figure(fig, path)
 
 
 def draw_series(ax, points, label, color):

@@ -96,6 +96,9 @@ def summarise(records, k):
     return metrics
 
 
+LOGGED_EXAMPLES = 4  # evaluation problems a run writes to samples.jsonl at each evaluation
+
+
 @torch.no_grad()
 def evaluate_model(trainer, num_samples, batch_size, num_examples=0):
     """k = eval_num_generations responses (trainer.respond: the trainer's sampling) to each of num_samples random

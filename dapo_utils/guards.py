@@ -10,6 +10,8 @@ causes and the last good checkpoint (train.main prints it: RunStopped):
 
 import math
 
+from tqdm.auto import tqdm
+
 from dapo_utils.checkpoints import checkpoint_path, find_checkpoints, non_finite_weights
 from dapo_utils.notices import warn
 
@@ -59,6 +61,22 @@ def check_weights(trainer):
 def starvation_advice(args):
     rule = f"filter_metric={args.filter_metric!r} skips every group whose responses all score the same"
     return f"{rule}; check the reward functions, use an easier data set or a stronger model, or filter_metric='none'"
+
+
+class NoTrainingStep(RunStopped):
+    """The run ended without a single optimizer step."""
+
+
+def check_data_ran_out(trainer, start_steps):
+    """After the last epoch: a run that took no step since start_steps (every group skipped, to the end of the
+    data) stops in one line with the rule and the fix; one that took fewer than the bar's bound says why."""
+    state, args = trainer.state, trainer.args
+    if state.update_steps == start_steps:
+        raise NoTrainingStep(f"the data ran out before one optimizer step: {starvation_advice(args)}")
+    if state.update_steps < trainer.global_steps:
+        skipped = trainer.world.sum(state.skipped_groups)
+        bound = f"{trainer.global_steps} was an upper bound; dynamic sampling skipped {skipped} groups"
+        tqdm.write(f"the data ran out after {state.update_steps} steps: {bound}")
 
 
 def check_rows(trainer, needed):

@@ -50,6 +50,13 @@ class SampleKeptTokens(LogitsProcessor):
         return torch.full_like(scores, -math.inf).scatter_(-1, drawn, 0.0)
 
 
+def bf16_autocast(args):
+    """bf16 autocast for forward passes on CUDA (args.bf16: the weights stay float32); a no-op context elsewhere."""
+    if args.bf16 and args.device.startswith("cuda"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def sampling_processors(temperature, top_k, top_p, device="cpu"):
     """Hugging Face's own warpers, in generate's order, then SampleKeptTokens (for greedy generate; on CUDA
     without the shortlist, which would read back to the host in every decode step)."""

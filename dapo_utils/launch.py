@@ -1,7 +1,7 @@
-"""What `python train.py` does around a run: its modes (--plot, --check_rewards, --eval_only, --demo, --resume), the
-output folder it holds while it writes there, the checks before anything loads, and the summary at the end. The
-run itself is train.py's `run` (the seed's entry point: build the trainer, train, save the model); train.py's
-`main` hands this module its pieces, so that the package never imports the script. Under torchrun (one node or
+"""What `python train.py` does around a run: its modes (--plot, --check_rewards, --eval_only, --demo, --resume,
+--ablation: a run per rung and seed, ablation.py), the output folder it holds while it writes there, the checks
+before anything loads, and the summary at the end. The run itself is train.py's `run` (the seed's entry point:
+build the trainer, train, save the model); train.py's `main` hands this module its pieces, so that the package never imports the script. Under torchrun (one node or
 several) what must be one choice for the whole job is rank 0's, and every rank follows it (World.on_rank_0):
 the checkpoint to resume, the output folder's lock and its preparation; a refusal ends every rank.
 
@@ -72,6 +72,12 @@ def command(cli, given, arguments_class, build_args, build_trainer, run, rewards
         fail(error, cli.debug)
     if status is not None:
         sys.exit(status)
+    if cli.ablation:  # every rung and seed a `python train.py` of its own, once the checks a run makes first pass
+        from dapo_utils.ablation import run_ablation
+
+        if not cli.demo:
+            check_before_loading(args, len(reward_funcs))
+        return run_ablation(cli, given, build_args, inspect.getsourcefile(run))
     if cli.eval_only:  # checked before anything loads
         models = check_eval_only(args, cli.compare)
     world = distributed.setup(args.device, args.num_threads, args.ddp_timeout)  # this run's threads

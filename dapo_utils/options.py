@@ -20,9 +20,11 @@ import sys
 import typing
 from typing import List, Literal, Optional
 
+from dapo_utils.presets import PRESETS
+
 USAGE = (
-    "train.py [--demo | --eval_only [--compare=MODEL] | --resume=CHECKPOINT | --plot=DIR | --check_rewards] "
-    "[--preset=NAME] [--field=value ...]"
+    "train.py [--demo | --eval_only [--compare=MODEL] | --resume=CHECKPOINT | --plot DIR... | --check_rewards | "
+    "--ablation] [--preset=NAME] [--field=value ...]"
 )
 DESCRIPTION = "DAPO training on GSM8K (Chinese)."
 EPILOG = (
@@ -47,9 +49,13 @@ OPTIONS = [  # (section, flag, argparse keywords); a section named by a field: t
             help="continue from output_dir/checkpoint_N, 'latest', or 'auto': the newest if any, else a fresh run",
         ),
     ),
-    (MODES, "--plot", dict(metavar="DIR", help="draw DIR/curves.png from an existing output folder, then exit")),
+    (MODES, "--plot", dict(metavar="DIR", nargs="+", help="draw DIR/curves.png; several DIRs: one overlay.png")),
     (MODES, "--check_rewards", dict(action="store_true", help="score each reference answer as a response, exit")),
-    ("preset", "--preset", dict(choices=["seed", "paper"], default="seed", help="the settings below start from")),
+    (MODES, "--ablation", dict(action="store_true", help="the paper's ladder, rung by rung: docs/ablation.md")),
+    (MODES, "--seeds", dict(default="42,1,2", help="with --ablation: the seeds each rung runs with")),
+    (MODES, "--variants", dict(action="store_true", help="with --ablation: also the GRPO family (dr_grpo, gspo)")),
+    (MODES, "--jobs", dict(type=int, default=0, help="with --ablation: runs at a time (0: cores / num_threads)")),
+    ("preset", "--preset", dict(choices=PRESETS, default="seed", help="named settings: docs/paper-options.md")),
     (
         "output_dir",
         "--take_over_lock",

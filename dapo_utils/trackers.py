@@ -10,9 +10,25 @@ from statistics import fmean, stdev
 import torch
 
 
+def round_metrics(rewards, keep, responses, lengths, truncated):
+    """A sampling round's numbers for the step log, one value per group or response: rewards [B, G] (totals), keep
+    [B] (dynamic sampling's verdict), responses (B * G texts), lengths and truncated [B * G]."""
+    G, reward_std = rewards.size(1), rewards.std(dim=1)  # [B]
+    alike = [len(set(responses[g * G : (g + 1) * G])) == 1 for g in range(rewards.size(0))]  # [B]
+    return {
+        "reward": rewards.flatten().tolist(),
+        "reward_std": reward_std.tolist(),
+        "frac_reward_zero_std": (reward_std == 0).float().tolist(),
+        "frac_groups_skipped": (~keep).float().tolist(),
+        "frac_identical_groups": [float(a) for a in alike],  # a collapsed policy: guards.check_rounds
+        "completions/length": lengths.tolist(),
+        "completions/clipped_ratio": truncated.float().tolist(),
+    }
+
+
 def step_record(step, metrics):
     """One optimizer step's metrics ({name: values from every micro-step, group or response}) as one record:
-    totals for times, loss, tokens and failed answer checks; mean / min / max response length; mean and std per
+    totals for times, loss, tokens, model FLOPs and failed answer checks; mean / min / max response length; mean and std per
     reward function (None rewards, NaN here, left out); the largest of the maxima; the mean of everything else. Per-token values
     (a list per micro-step: vllm_sampler.sampler_correction's) are reduced over the step's tokens: the gap's
     mean, median, 95th percentile and maximum (fresh and lagged groups apart), the weights' effective sample size,
@@ -27,6 +43,7 @@ def step_record(step, metrics):
             "loss",
             "num_tokens",
             "vllm/lagged_groups",
+            "perf/flops",
         ):
             record[key] = sum(values)
         elif key == "completions/length":

@@ -34,13 +34,21 @@ FAST = dict(device="cpu", max_generate_length=12, eval_samples=2, eval_batch_siz
 FAST |= dict(eval_steps=1000, save_steps=1000, gradient_accumulation_steps=2, filter_metric="none")
 
 
+def with_responses(tok, input_ids, texts):
+    """input_ids [N, P] with each row's response text after it, ended by EOS and right-padded: what generate returns."""
+    rows = [tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for text in texts]
+    width = max(map(len, rows))
+    rows = [r + [tok.pad_token_id] * (width - len(r)) for r in rows]
+    return torch.cat([input_ids, torch.tensor(rows, device=input_ids.device)], dim=1)
+
+
 def scripted_sampler(trainer, skip_on_rank=None):
     """Each row's response depends only on its prompt and its place in the group (rows repeat each prompt G
     times, evaluation rows once); on rank skip_on_rank all responses are the same (groups skipped)."""
     tok, G = trainer.tokenizer, trainer.args.num_generations
 
     def sample(input_ids, attention_mask):
-        rows = []
+        texts = []
         for i, (ids, mask) in enumerate(zip(input_ids, attention_mask)):
             h = zlib.crc32(tok.decode(ids[mask.bool()]).encode())
             j = 0 if rank == skip_on_rank else i % G
@@ -50,10 +58,8 @@ def scripted_sampler(trainer, skip_on_rank=None):
                 if j % 2 == 0
                 else str(answer)
             )
-            rows.append(tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
-        width = max(map(len, rows))
-        rows = [r + [tok.pad_token_id] * (width - len(r)) for r in rows]
-        return torch.cat([input_ids, torch.tensor(rows, device=input_ids.device)], dim=1), None
+            texts.append(text)
+        return with_responses(tok, input_ids, texts), None
 
     trainer.sample = sample
 
@@ -68,7 +74,7 @@ def step_dependent_sampler(trainer):
     answers = {row["prompt"]: row["answer"] for row in trainer.train_dataset}
 
     def sample(input_ids, attention_mask):
-        rows = []
+        texts = []
         for i, (ids, mask) in enumerate(zip(input_ids, attention_mask)):
             question = tok.decode(ids[mask.bool()]).split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
             h, j = zlib.crc32(f"{question}|{trainer.state.update_steps}".encode()), i % G
@@ -77,10 +83,8 @@ def step_dependent_sampler(trainer):
             think = str(h % 10) * (1 + (h + (j if kind else 0)) % 5)
             tagged = kind != 4 or j % 2 == 0
             text = f"<think>\n{think}\n</think>\n<answer>\n{answer}\n</answer>\n" if tagged else str(answer)
-            rows.append(tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
-        width = max(map(len, rows))
-        rows = [r + [tok.pad_token_id] * (width - len(r)) for r in rows]
-        return torch.cat([input_ids, torch.tensor(rows, device=input_ids.device)], dim=1), None
+            texts.append(text)
+        return with_responses(tok, input_ids, texts), None
 
     trainer.sample = sample
 

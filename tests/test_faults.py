@@ -232,7 +232,7 @@ def test_edited_and_damaged_checkpoints_are_named_before_anything_loads(world, t
         (
             {"loss_agg_mode": "mean"},
             f"{args_file}: loss_agg_mode = 'mean' is not of its type (Literal['seed', "
-            "'token-mean', 'seq-mean-token-mean']): correct or remove it",
+            "'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum-norm']): correct or remove it",
         ),
     ]:
         args_file.write_text(json.dumps(saved | change))

@@ -377,9 +377,9 @@ def test_peak_memory_gb_is_each_steps_own(make_trainer, monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
     trainer.args.device = "cuda"  # log_step alone: nothing runs on it
     trainer.progress = SimpleNamespace(set_postfix=lambda *args, **kwargs: None, update=lambda n: None)
-    trainer.log_step({"loss": [0.5]})
+    trainer.log_step({"loss": [0.5], "time/step": [1.0]})
     allocator["peak"] = max(allocator["peak"], 3.0)  # the second step's own peak
-    trainer.log_step({"loss": [0.25]})
+    trainer.log_step({"loss": [0.25], "time/step": [1.0]})
     assert [record["peak_memory_gb"] for record in trainer.history] == [5.0, 3.0]
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dapo_utils import distributed
 from dapo_utils.checkpoints import find_checkpoint, find_checkpoints
 from dapo_utils.curves import read_jsonl
 from train import main
@@ -117,7 +118,7 @@ def assert_same_run(out, expected, tolerance=0.0, keys=None):
     """out's metrics.jsonl (each record's keys: all but timings) and final weights are expected's (another folder's),
     within tolerance. A run stopped between two sampling rounds of a step logs that step's rounds after its resume
     alone (docs/checkpoints.md): keys=TRAINED compares what the steps trained."""
-    drop = ("time/", "sampled_tokens_per_second", "train_tokens_per_second")
+    drop = ("time/", "perf/throughput", "perf/mfu", "sampled_tokens_per_second", "train_tokens_per_second")
     records, reference = (read_jsonl(os.path.join(folder, "metrics.jsonl")) for folder in (out, expected))
     assert [r["step"] for r in records] == [r["step"] for r in reference] == list(range(1, RUN["max_steps"] + 1))
     for record, wanted in zip(records, reference):
@@ -172,6 +173,17 @@ def test_one_node_writes_once_holds_the_folder_and_says_how_to_resume_with_one_p
         )
         in refused
     )
+
+
+def test_the_resume_command_names_torchrun_per_node_as_torchrun_started_the_process(monkeypatch):
+    """launcher reads LOCAL_WORLD_SIZE as torchrun set it at the start: vLLM's CPU platform sets it to its own
+    tensor-parallel size (1) in the trainer's process later, which made a 2-process run's stop line read as if it
+    ran on 2 nodes."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # what vLLM leaves behind
+    assert distributed.launcher(2) == "torchrun --nproc_per_node=2 train.py"
+    monkeypatch.setattr(distributed, "PER_NODE", "1")  # torchrun's own, on 2 nodes of 1 process
+    assert distributed.launcher(2) == "the same torchrun command on each of the 2 nodes with"
+    assert distributed.launcher(1) == "python train.py" and distributed.launcher(1, fsdp=True).startswith("torchrun")
 
 
 def test_two_nodes_take_one_nodes_steps_and_refuse_an_output_folder_they_do_not_share(world, tmp_path, one_node):

@@ -54,12 +54,23 @@ def test_help_prints_each_option_once_in_its_group_before_torch_loads(monkeypatc
     headings = re.findall(r"^(\S.*):$", text, flags=re.M)
     assert headings == ["options", MODES, "preset", *TITLES]
     assert text.startswith(
-        "usage: train.py [--demo | --eval_only [--compare=MODEL] | --resume=CHECKPOINT | --plot=DIR | --check_rewards] "
-        "[--preset=NAME] [--field=value ...]\n"
+        "usage: train.py [--demo | --eval_only [--compare=MODEL] | --resume=CHECKPOINT | --plot DIR... | --check_rewards "
+        "| --ablation] [--preset=NAME] [--field=value ...]\n"
     )
     group = lambda title: text.split(f"\n{title}:\n")[1].split("\n\n")[0]  # noqa: E731
     options = lambda title: re.findall(r"^  (--\w+)", group(title), flags=re.M)  # noqa: E731
-    assert options(MODES) == ["--demo", "--eval_only", "--compare", "--resume", "--plot", "--check_rewards"]
+    assert options(MODES) == [
+        "--demo",
+        "--eval_only",
+        "--compare",
+        "--resume",
+        "--plot",
+        "--check_rewards",
+        "--ablation",
+        "--seeds",
+        "--variants",
+        "--jobs",
+    ]
     assert options(TITLES[1]) == ["--output_dir", "--take_over_lock", "--overwrite_output_dir", "--device", "--seed"]
     assert (
         options(TITLES[-1]) == ["--fsdp", "--ddp_timeout"]

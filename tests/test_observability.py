@@ -109,7 +109,10 @@ def test_plot_from_seed_files_alone(tmp_path):
 
 def comparable(records):
     """metrics.jsonl records without wall-clock figures."""
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and not k.endswith("per_second")} for r in records]
+    wall_clock = ("time/", "perf/throughput", "perf/mfu")
+    return [
+        {k: v for k, v in r.items() if not k.startswith(wall_clock) and not k.endswith("per_second")} for r in records
+    ]
 
 
 def outputs(out):
@@ -297,13 +300,13 @@ def test_help_lists_every_field_with_its_help_text(monkeypatch, capsys):
     for option in ("--demo", "--preset", "--resume", "--plot"):
         assert option in text
     # Literal fields: --help lists their values, argparse refuses others, and so does DapoArguments in code
-    assert "--loss_agg_mode {seed,token-mean,seq-mean-token-mean}" in text
+    assert "--loss_agg_mode {seed,token-mean,seq-mean-token-mean,seq-mean-token-sum-norm}" in text
     assert "--filter_metric {reward,correctness,none}" in text
     with pytest.raises(SystemExit) as exit_info:
         main(["--loss_agg_mode=mean"])
     assert exit_info.value.code == 2 and "invalid choice: 'mean'" in capsys.readouterr().err
     with pytest.raises(
-        ValueError, match=r"loss_agg_mode must be one of \('seed', 'token-mean', 'seq-mean-token-mean'\)"
+        ValueError, match=r"loss_agg_mode must be one of \('seed', 'token-mean', 'seq-mean-token-mean', 'seq-mean-"
     ):
         DapoArguments(loss_agg_mode="mean")
 

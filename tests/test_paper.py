@@ -13,6 +13,7 @@ import torch
 from conftest import SEED_REWARDS, as_micro_batch, make_batch, scripted_sampler, stub_log_probs, token_ids
 from dapo_utils.cli import parse_cli
 from dapo_utils.curves import read_step_log
+from dapo_utils.presets import paper_preset
 from reward_func import correctness_reward as real_correctness_reward
 from train import (
     DapoArguments,
@@ -21,7 +22,6 @@ from train import (
     keep_groups,
     loss_normaliser,
     main,
-    paper_preset,
     soft_overlong_punishment,
 )
 

@@ -9,7 +9,8 @@ import torch
 
 import train
 from conftest import make_batch
-from train import dapo_per_token_loss, group_advantages, k3_kl, main, paper_preset
+from dapo_utils.presets import paper_preset
+from train import dapo_per_token_loss, group_advantages, k3_kl, main
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 
