@@ -220,6 +220,8 @@ def main(argv=None):
         return worker(opts.worker, lengths[0], opts)
     if unknown := set(runners) - set(RUNNERS):
         parser.error(f"unknown runner(s) {', '.join(sorted(unknown))}; choose from {','.join(RUNNERS)}")
+    if len(set(fit_lengths)) < 2:
+        parser.error(f"--fit={opts.fit}: a line needs two lengths or more, e.g. --fit 512,2048")
     if opts.stage and set(runners) - {"seed", "ours"}:
         parser.error("--stage measures the runners seed and ours: --runners seed,ours")
     if "trl" in runners and importlib.util.find_spec("trl") is None:

@@ -44,14 +44,16 @@ def measure(config, model_path, data_path, lora_r):
     from transformers import AutoTokenizer
 
     from dapo_utils.tiny_world import DEMO_ARGS
-    from train import SEED_REWARD_FUNCS, DapoArguments, DapoTrainer, GSM8KDataset
+    from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
+    from train import DapoArguments, DapoTrainer, GSM8KDataset
 
     settings = {**DEMO_ARGS, "model_path": model_path, "data_path": data_path, "output_dir": f"/tmp/lora_mem_{config}"}
     settings |= dict(max_steps=3, eval_steps=10**9, save_steps=10**9, lora_r=lora_r, overwrite_output_dir=True)
     args = DapoArguments(**settings)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     datasets = [GSM8KDataset(data_path, tokenizer, split=split) for split in ("train", "test")]
-    trainer = DapoTrainer(model_path, list(SEED_REWARD_FUNCS), args, *datasets, tokenizer)
+    reward_funcs = [correctness_reward, digit_reward, hard_format_reward, mark_reward]  # the seed's four
+    trainer = DapoTrainer(model_path, reward_funcs, args, *datasets, tokenizer)
     trainer.evaluate_and_log = lambda: None
     trainer.args.max_steps = 1  # the warm-up step
     trainer.train()
@@ -91,6 +93,11 @@ def main():
     if opts.worker:
         lora_r = opts.lora_r if opts.worker == "lora" else 0
         return print(json.dumps(measure(opts.worker, opts.model_path, opts.data_path, lora_r)))
+    for path in (opts.model_path, opts.data_path):
+        if not os.path.isdir(os.path.join(REPO, path)):
+            sys.exit(
+                f"error: {path!r} not found: run `python train.py --demo` (or `make demo`) first, or give its path"
+            )
     print(
         f"demo model, measured (CPU; float32; the demo's settings; peak RSS over the start of 2 steps), r={opts.lora_r}:"
     )

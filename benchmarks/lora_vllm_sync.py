@@ -59,10 +59,11 @@ def main():
     print(f"\nshape {opts.shape}, r {opts.lora_r}, {opts.rounds} rounds, median seconds per sync:")
     print(f"{'sync':9} {'s / sync':>9} {'MB pushed':>10} {'gap max':>9}")
     for name, sampler in samplers.items():
-        ids, log_probs = sampler.sample(prompt, torch.ones_like(prompt), 0, 0.0, 1.0, 0, 16, [])
+        sequence, log_probs = sampler.sample(prompt, torch.ones_like(prompt), 0, 0.0, 1.0, 0, 16, [])  # [1, 32 + T]
+        ids = sequence[0, prompt.size(1) :]  # the response [T]
         with torch.no_grad():
-            logits = model(torch.cat([prompt, ids], dim=1)).logits[0, prompt.size(1) - 1 : -1]
-        mine = logits.log_softmax(-1).gather(1, ids[0].unsqueeze(1)).squeeze(1)
+            logits = model(sequence).logits[0, prompt.size(1) - 1 : -1]  # [T, V]
+        mine = logits.log_softmax(-1).gather(1, ids.unsqueeze(1)).squeeze(1)
         gap = (mine - log_probs[0]).abs().max().item()
         pushed = adapter_bytes if name == "adapters" else merged_bytes
         print(f"{name:9} {statistics.median(times[name]):>9.3f} {pushed / 1e6:>10.1f} {gap:>9.1e}")

@@ -1,7 +1,7 @@
 """The measured speed-ups train.py relies on (benchmarks/bench.py and benchmarks/log_probs.py,
 docs/performance.md): each computes exactly what the plain version computes, with less time and memory.
 
-    sampling_processors / SampleKeptTokens   on CPU, draw each token among the ids top-k / top-p keep (19% less
+    sampling_processors / SampleKeptTokens   on CPU, draw each token among the ids top-k / top-p keep (32% less
                                              sampling time than generate's multinomial over 151,936 ids)
     generate_sharing_prompts                 the G copies of a prompt share one forward pass over it
     output_layer_scores / log_probs_from_hidden   log-probs of the labels and the entropy from the last hidden
