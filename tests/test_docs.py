@@ -33,19 +33,23 @@ def read(path):
         return f.read()
 
 
+def unfenced(text):
+    """The text outside fenced code blocks (where headings live)."""
+    return re.sub(r"(?ms)^```.*?^```", "", text)
+
+
 def prose(text):
     """The text outside fenced code blocks and inline code spans, where links live."""
-    text = re.sub(r"(?ms)^```.*?^```", "", text)
-    return re.sub(r"`[^`\n]*`", "", text)
+    return re.sub(r"`[^`\n]*`", "", unfenced(text))
 
 
 def slug(heading):
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    """GitHub's anchor for a heading: lower case, punctuation dropped (a code span's text kept), spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", "")).replace(" ", "-")
 
 
 def anchors(text):
-    return {slug(line.lstrip("#")) for line in prose(text).splitlines() if line.startswith("#")}
+    return {slug(line.lstrip("#")) for line in unfenced(text).splitlines() if line.startswith("#")}
 
 
 def broken_links(path, text):
