@@ -41,19 +41,12 @@ GB = 1e9
 def measure(config, model_path, data_path, lora_r):
     """One configuration in this process: {parameters, trainable, state bytes, peak bytes over the start}."""
     from bench import peak_rss_bytes, reset_peak_rss, rss_bytes
-    from transformers import AutoTokenizer
-
     from dapo_utils.tiny_world import DEMO_ARGS
-    from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward
-    from train import DapoArguments, DapoTrainer, GSM8KDataset
+    from train import DapoArguments, build_trainer
 
     settings = {**DEMO_ARGS, "model_path": model_path, "data_path": data_path, "output_dir": f"/tmp/lora_mem_{config}"}
     settings |= dict(max_steps=3, eval_steps=10**9, save_steps=10**9, lora_r=lora_r, overwrite_output_dir=True)
-    args = DapoArguments(**settings)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    datasets = [GSM8KDataset(data_path, tokenizer, split=split) for split in ("train", "test")]
-    reward_funcs = [correctness_reward, digit_reward, hard_format_reward, mark_reward]  # the seed's four
-    trainer = DapoTrainer(model_path, reward_funcs, args, *datasets, tokenizer)
+    trainer = build_trainer(DapoArguments(**settings))  # train.py's own: tokenizer, both splits, the seed's rewards
     trainer.evaluate_and_log = lambda: None
     trainer.args.max_steps = 1  # the warm-up step
     trainer.train()
