@@ -795,16 +795,19 @@ class DapoTrainer:
         """This optimizer step's record: to metrics.jsonl, the tracker and the progress bar."""
         record = step_record(self.state.update_steps, metrics)
         record |= {key: self.world.sum(getattr(self.state, key)) for key in ("skipped_groups", "truncated_prompts")}
-        record |= self.eval_record if self.state.update_steps % self.args.eval_steps == 0 else {}  # evaluated now
+        evaluated = self.state.update_steps % self.args.eval_steps == 0
+        record |= self.eval_record if evaluated else dict.fromkeys(self.eval_record)  # None: not evaluated now
         record |= perf_metrics(record, self.peak_flops, self.world.size)  # perf/throughput, perf/mfu (flops.py)
         if self.args.device.startswith("cuda"):  # this step's peak: the counter starts again after each record
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.args.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.args.device)
+        record = dict.fromkeys(self.history[-1] if self.history else ()) | record  # a step that did not sample: None
         self.history.append(record)
         self.append_line("metrics.jsonl", json.dumps(record, ensure_ascii=False))
         self.tracker.log(record)
-        postfix = dict(loss=f"{record['loss']:.4f}", reward=f"{record.get('reward', math.nan):.3f}")
-        postfix.update(skipped=f"{record.get('frac_groups_skipped', 0.0):.2f}", acc=f"{self.last_accuracy:.2f}")
+        shown = {key: math.nan if value is None else value for key, value in record.items()}
+        postfix = dict(loss=f"{record['loss']:.4f}", reward=f"{shown.get('reward', math.nan):.3f}")
+        postfix.update(skipped=f"{shown.get('frac_groups_skipped', 0.0):.2f}", acc=f"{self.last_accuracy:.2f}")
         postfix.update({"tok/s": f"{record['perf/throughput']:.0f}", "mfu": f"{record['perf/mfu']:.2%}"})
         self.progress.set_postfix(postfix, refresh=False)
         self.progress.update(1)

@@ -93,9 +93,14 @@ def unevaluated_steps(output_dir, last_evaluated):
 
 
 def read_metrics(path):
-    """metrics.jsonl records, the last one for each step (a later run's replaces an earlier run's)."""
-    records = {record["step"]: record for record in read_jsonl(path)}
+    """metrics.jsonl records, the last one for each step (a later run's replaces an earlier run's), without the keys
+    that had no value at their step (null: a step that did not sample or evaluate, no lagged group)."""
+    records = {record["step"]: without_nulls(record) for record in read_jsonl(path)}
     return [records[step] for step in sorted(records)]
+
+
+def without_nulls(record):
+    return {key: value for key, value in record.items() if value is not None}
 
 
 def read_accuracies(output_dir):

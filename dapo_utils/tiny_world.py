@@ -438,7 +438,7 @@ def demo_summary(history, args, wall_seconds, resumed_from=None, command="python
             )
 
     def first_and_last(key):  # (window, mean over the first and the last `window` steps that have key)
-        values = [record[key] for record in history if key in record]  # with 4 steps per rollout, 1 in 4
+        values = [record[key] for record in history if record.get(key) is not None]  # 4 steps per rollout: 1 in 4
         if not values:
             return 0, math.nan, math.nan
         window = max(1, min(50, len(values) // 5))

@@ -29,62 +29,66 @@ def round_metrics(rewards, keep, responses, lengths, truncated):
 def step_record(step, metrics):
     """One optimizer step's metrics ({name: values from every micro-step, group or response}) as one record:
     totals for times, loss, tokens, model FLOPs and failed answer checks; mean / min / max response length; mean and std per
-    reward function (None rewards, NaN here, left out); the largest of the maxima; the mean of everything else. Per-token values
-    (a list per micro-step: vllm_sampler.sampler_correction's) are reduced over the step's tokens: the gap's
-    mean, median, 95th percentile and maximum (fresh and lagged groups apart), the weights' effective sample size,
-    shares as token means; lagged groups are counted."""
+    reward function (None rewards, NaN here, are not counted); the largest of the maxima; the mean of everything else.
+    Per-token values (a list per micro-step: vllm_sampler.sampler_correction's) are reduced over the step's tokens: the
+    gap's mean, median, 95th percentile and maximum (fresh and lagged groups apart), the weights' effective sample
+    size, shares as token means; lagged groups are counted. A name with no value this step (no lagged group, a
+    micro-batch whose tokens were all filtered out: None) keeps its keys, as None: every record has the same keys
+    whichever groups happened to lag, and JSON writes them as null."""
     record = {"step": step}
     for key, values in metrics.items():
         if values and isinstance(values[0], list):  # per-token values, a list per micro-step: the step's tokens
             values = [value for part in values for value in part]
-            if not values:
-                continue
-        if key.startswith(("time/", "reward_errors/", "reward_timeouts/")) or key in (
-            "loss",
-            "num_tokens",
-            "vllm/lagged_groups",
-            "perf/flops",
-        ):
-            record[key] = sum(values)
-        elif key == "completions/length":
-            record.update({"completions/mean_length": fmean(values), "completions/min_length": min(values)})
-            record.update({"completions/max_length": max(values), "sampled_tokens": sum(values)})
-        elif key.startswith("rewards/"):  # per reward function, as TRL names them
-            seen = [value for value in values if not math.isnan(value)]
-            if seen:
-                record[f"{key}/mean"], record[f"{key}/std"] = fmean(seen), stdev(seen) if len(seen) > 1 else 0.0
-        elif key in ("vllm/logprob_diff", "vllm/lag_logprob_diff"):  # |log pi_old - log pi_vLLM| per response token
-            ranked = sorted(values)
-            record.update({f"{key}_mean": fmean(ranked), f"{key}_p50": percentile(ranked, 0.5)})
-            record.update({f"{key}_p95": percentile(ranked, 0.95), f"{key}_max": ranked[-1]})
-        elif key == "vllm/is_weight":  # normalised effective sample size (sum w)^2 / (N sum w^2), 1 = all equal
-            squares = sum(w * w for w in values)
-            record["vllm/is_ess"] = sum(values) ** 2 / (len(values) * squares) if squares else 0.0
-        else:
-            record[key] = max(values) if key.endswith("_max") else fmean(values)
-    if record.get("time/sampling"):
+        values = [value for value in values if value is not None and not (key.startswith("rewards/") and math.isnan(value))]
+        record.update(reduce_metric(key, values))
+    if record.get("time/sampling") and record.get("sampled_tokens") is not None:
         record["sampled_tokens_per_second"] = record["sampled_tokens"] / record["time/sampling"]
-    if record.get("time/training"):
+    if record.get("time/training") and record.get("num_tokens") is not None:
         record["train_tokens_per_second"] = record["num_tokens"] / record["time/training"]
     return record
 
 
+def reduce_metric(key, values):
+    """{record key: value} of one metric's values this step; each key None when there are none."""
+    some = bool(values)
+    if key.startswith(("time/", "reward_errors/", "reward_timeouts/")) or key in SUMMED:
+        return {key: sum(values)}
+    if key == "completions/length":
+        keys = ("completions/mean_length", "completions/min_length", "completions/max_length", "sampled_tokens")
+        return dict(zip(keys, (fmean(values), min(values), max(values), sum(values)) if some else (None,) * 4))
+    if key.startswith("rewards/"):  # per reward function, as TRL names them
+        spread = (stdev(values) if len(values) > 1 else 0.0) if some else None
+        return {f"{key}/mean": fmean(values) if some else None, f"{key}/std": spread}
+    if key in ("vllm/logprob_diff", "vllm/lag_logprob_diff"):  # |log pi_old - log pi_vLLM| per response token
+        ranked = sorted(values)
+        stats = (fmean(ranked), percentile(ranked, 0.5), percentile(ranked, 0.95), ranked[-1]) if some else (None,) * 4
+        return {f"{key}_{name}": value for name, value in zip(("mean", "p50", "p95", "max"), stats)}
+    if key == "vllm/is_weight":  # normalised effective sample size (sum w)^2 / (N sum w^2), 1 = all equal
+        squares = sum(w * w for w in values)
+        return {"vllm/is_ess": sum(values) ** 2 / (len(values) * squares) if squares else (0.0 if some else None)}
+    if not some:
+        return {key: None}
+    return {key: max(values) if key.endswith("_max") else fmean(values)}
+
+
+SUMMED = ("loss", "num_tokens", "vllm/lagged_groups", "perf/flops")  # step_record's totals (and time/*, reward_*/*)
+
+
 @torch.no_grad()
 def loss_diagnostics(ratio, advantages, entropy, kl, action_mask, clip_eps_low, clip_eps_high):
-    """A micro-batch's diagnostics over its response tokens ({} if all were filtered out): the share of tokens
+    """A micro-batch's diagnostics over its response tokens (each None if it has none: all filtered out, or --fsdp's
+    placeholder micro-batch without rows): the share of tokens
     clipped below (A < 0) and above (A > 0) by Eq. (10), the entropy and, when kl is given, the k3 KL.
     ratio, entropy, kl, action_mask: [N, T]; advantages: [N]. One read from the device for all of them (on CUDA
     each read waits for the queued kernels)."""
     mask = action_mask.bool()
-    if not mask.numel():  # no response row (--fsdp's placeholder micro-batches): nothing to read
-        return {}
     A = advantages.unsqueeze(1).expand_as(ratio)
     low, high = (ratio < 1 - clip_eps_low) & (A < 0), (ratio > 1 + clip_eps_high) & (A > 0)
     values = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "entropy": entropy}
     values |= {} if kl is None else {"kl": kl}
     sums = [torch.where(mask, value, 0).sum(dtype=torch.float64) for value in values.values()]  # over the tokens
     *sums, count = torch.stack([*sums, mask.sum(dtype=torch.float64)]).tolist()
-    return {name: total / count for name, total in zip(values, sums)} if count else {}
+    return {name: total / count if count else None for name, total in zip(values, sums)}
 
 
 def percentile(ranked, q):

@@ -321,3 +321,34 @@ def test_a_plotting_failure_is_a_warning_not_a_crash(make_trainer, monkeypatch):
         trainer.train()
     assert trainer.update_steps == 2 and len(trainer.history) == 2
     assert not os.path.exists(os.path.join(trainer.args.output_dir, "curves.png"))
+
+
+def test_every_record_of_a_run_has_the_same_keys_whatever_happened_at_its_step(make_trainer):
+    """A step that did not sample (steps_per_generation 2: steps 2 and 4 train on step 1's and 3's rollout) or did
+    not evaluate keeps those keys as null, so no reader depends on which groups lagged or which step evaluated."""
+    trainer = make_trainer(max_steps=4, eval_steps=2, steps_per_generation=2, gradient_accumulation_steps=1)
+    trainer.train()
+    records = read_jsonl(os.path.join(trainer.args.output_dir, "metrics.jsonl"))
+    assert [set(r) for r in records] == [set(records[0])] * 4 and REQUIRED_METRICS <= set(records[0])
+    assert [r["reward"] is None for r in records] == [False, True, False, True]  # sampled at steps 1 and 3
+    assert [r["eval/accuracy"] is None for r in records] == [True, False, True, False]  # evaluated at 2 and 4
+    assert [r["time/sampling"] for r in records][1::2] == [0, 0]  # a total of nothing
+    assert [set(r) for r in curves.read_metrics(os.path.join(trainer.args.output_dir, "metrics.jsonl"))][1] == {
+        key for key, value in records[1].items() if value is not None
+    }  # the plots' reader drops the nulls
+
+
+def test_a_metric_without_values_keeps_its_keys_as_none():
+    """No lagged token this step (vLLM), a reward function that returned None for every response, a micro-batch whose
+    tokens were all filtered out: each name's record keys are there, with None."""
+    from dapo_utils.trackers import loss_diagnostics, step_record
+
+    empty = torch.zeros(2, 0)
+    diagnostics = loss_diagnostics(empty, torch.zeros(2), empty, None, empty.long(), 0.2, 0.28)
+    assert diagnostics == {"clip_ratio/low_mean": None, "clip_ratio/high_mean": None, "entropy": None}
+    metrics = {"vllm/lag_logprob_diff": [[], []], "rewards/judge": [float("nan")] * 4, "loss": [0.5, 0.25]}
+    record = step_record(3, {**metrics, **{key: [value] for key, value in diagnostics.items()}})
+    lag = {f"vllm/lag_logprob_diff_{name}": None for name in ("mean", "p50", "p95", "max")}
+    assert record == {"step": 3, **lag, "rewards/judge/mean": None, "rewards/judge/std": None, "loss": 0.75} | {
+        key: None for key in diagnostics
+    }

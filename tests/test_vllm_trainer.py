@@ -190,11 +190,11 @@ def test_carried_over_groups_report_their_lag_apart_from_the_gap(run):
     (GUARD 1e-3, which the lag's gap exceeds many times) read the fresh groups alone, and the run goes on."""
     records = [json.loads(line) for line in read_lines(run["output_dir"], "metrics.jsonl")]
     assert [r["vllm/lagged_groups"] for r in records] == LAGGED
-    assert "vllm/lag_logprob_diff_mean" not in records[0]  # step 1: every group fresh
+    assert records[0]["vllm/lag_logprob_diff_mean"] is None  # step 1: every group fresh, the key kept
     for r in records[1:]:
         assert r["vllm/lag_logprob_diff_mean"] > 10 * GUARD and r["vllm/lag_logprob_diff_max"] > 0.1, r
     assert records[1]["vllm/logprob_diff_max"] < SYNC_TOLERANCE  # the fresh group of step 2
-    assert "vllm/logprob_diff_mean" not in records[2]  # step 3: both groups carried over, no fresh token
+    assert records[2]["vllm/logprob_diff_mean"] is None  # step 3: both groups carried over, no fresh token
     lags = [m.sampler_lag.tolist() for m in run["micro_batches"]]  # one group of 4 rows each, 2 per step
     assert [sorted(lag[0] for lag in lags[i : i + 2]) for i in (0, 2, 4)] == [[0, 0], [0, 1], [1, 1]]
     assert all(lag == lag[:1] * 4 for lag in lags)
