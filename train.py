@@ -37,22 +37,23 @@ from transformers import GenerationConfig
 import reward_func  # the seed's four reward functions; --reward_funcs names them
 from dapo_utils import distributed, launch
 from dapo_utils.checkpoints import deferred_interrupts, load_tokenizer, policy_model, reference_model, resume_run
-from dapo_utils.checkpoints import save_final_model, save_run_checkpoint, say
+from dapo_utils.checkpoints import save_final_model, save_run_checkpoint, stop_if_requested
 from dapo_utils.cli import check_arguments
 from dapo_utils.curves import redraw_curves
 from dapo_utils.data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_system_prompt
-from dapo_utils.evaluation import LOGGED_EXAMPLES, evaluate_model, logged_metrics
+from dapo_utils.evaluation import LOGGED_EXAMPLES, EvaluationStopped, evaluate_model, logged_metrics
 from dapo_utils.flops import log_prob_flops, model_shape, pass_flops, peak_flops, perf_metrics, sampling_flops
 from dapo_utils.guards import check_data_ran_out, check_finite, check_rounds, check_rows, check_weights
 from dapo_utils.kernels import bf16_autocast, generate_sharing_prompts, output_layer_scores, reuse_freed_memory
 from dapo_utils.kernels import sampling_processors
 from dapo_utils.notices import warn
+from dapo_utils.options import run_command
 from dapo_utils.packing import join_batches, micro_batch_groups, numbered, pack_sequences, pad_and_cat
 from dapo_utils.packing import pad_and_cat_groups, padded_sequences, trim_group, unpack
 from dapo_utils.presets import preset_fields
 from dapo_utils.rewards import answer_checker, load_reward_models, reward_column, reward_func_name
 from dapo_utils.rewards import reward_functions, reward_weight_tensor
-from dapo_utils.trackers import loss_diagnostics, make_tracker, round_metrics, step_record
+from dapo_utils.trackers import loss_diagnostics, make_tracker, progress_postfix, round_metrics, step_record
 from dapo_utils.writes import append_log
 
 SYSTEM_PROMPT = """
@@ -366,6 +367,8 @@ class LoopState:
     rollout: Optional[list] = None  # the MicroBatches being trained on (this process's part)
     updates_done: int = 0  # optimizer steps taken on the rollout
     world_size: int = 1  # processes training together (torchrun); another number resumes regrouped
+    metrics: dict = field(default_factory=dict)  # the step in progress's metrics, kept by a stop for the resumed run
+    evaluation_pending: bool = False  # a stop came during step update_steps's evaluation: resumed, it runs first
 
     def state_dict(self):  # groups and micro-batches as dicts: a checkpoint loads with torch.load(weights_only=True)
         rollout = None if self.rollout is None else [vars(m) for m in self.rollout]
@@ -443,6 +446,7 @@ class DapoTrainer:
         self.last_accuracy, self.eval_record = math.nan, {}  # the last evaluation: strict accuracy, every metric
         self.tracker = make_tracker("none", args.output_dir, None)  # report_to's, from train() on
         self.global_steps, self.empty_rounds, self.progress = 0, 0, None  # train()'s bound, warning count, bar
+        self.command = run_command(self.world.size, args.fsdp)  # how a stop line restarts it (launch adds --demo)
 
     update_steps = property(lambda self: self.state.update_steps)  # the seed's name for optimizer steps taken
 
@@ -666,21 +670,19 @@ class DapoTrainer:
         check_rows(self, groups_per_rollout)  # guards.py: a training split too small for one step, said as that
         steps = args.num_iterations * args.epoch * len(self.train_dataset) // (args.batch_size * accumulation)
         self.global_steps = min(steps, args.max_steps or steps)  # an upper bound: dynamic sampling skips groups
-        if state.update_steps >= self.global_steps:  # a resume at or past max_steps
+        if state.update_steps >= self.global_steps and not state.evaluation_pending:  # a resume at or past max_steps
             return tqdm.write(f"already at step {state.update_steps} of {self.global_steps}: nothing to train")
         report_to = args.report_to if self.world.is_main else "none"  # rank 0 alone reports
         self.tracker = make_tracker(report_to, args.output_dir, dataclasses.asdict(args))
-        start_steps, self.empty_rounds = state.update_steps, 0
-        calls = self.prompt_batches()  # this epoch's sampling calls
-        metrics = defaultdict(list)  # what this optimizer step gathered
-        step_start = time.perf_counter()  # time/step: from the step's first sampling round to its optimizer step
+        start_steps, self.empty_rounds, calls = state.update_steps, 0, self.prompt_batches()  # this epoch's calls
+        metrics, state.metrics = defaultdict(list, state.metrics), {}  # this step's (a stop's resume: so far)
         bar = dict(total=self.global_steps, initial=state.update_steps, desc="DAPO", unit="step", dynamic_ncols=True)
         bar = tqdm(**bar, disable=not self.world.is_main)
         with bar as self.progress, deferred_interrupts(self), contextlib.closing(self.tracker):
-            if not self.resumed:  # a resumed run evaluated before its checkpoint
-                self.evaluate_and_log()
-                if self.world.any(self.stop_requested):  # Ctrl-C during it: checkpoint_0, resumed after it
-                    self.stop()
+            if not self.resumed or state.evaluation_pending:  # step 0's evaluation, or the one a stop cut short
+                self.end_step(metrics)
+                metrics = defaultdict(list)
+            step_start = time.perf_counter()  # time/step: from the step's first sampling round to its optimizer step
             while state.update_steps < self.global_steps:
                 if state.rollout is None:
                     # 1. Sample G responses per prompt, score them, drop the groups without signal (dynamic
@@ -703,8 +705,7 @@ class DapoTrainer:
                     taken = self.world.take_rollout(state.buffer, groups_per_rollout, args.steps_per_generation)
                     if taken is None:  # not enough groups yet
                         check_rounds(self, metrics)  # guards.py: a run that keeps no group ends in one line
-                        if self.world.any(self.stop_requested):  # Ctrl-C or SIGTERM between sampling rounds
-                            self.stop()
+                        stop_if_requested(self, metrics)  # checkpoints.py: Ctrl-C or SIGTERM between sampling rounds
                         continue
                     # 2. The rollout: the first valid groups in the sampling order (one process: the buffer's
                     #    first), as micro-batches of batch_size groups, with pi_old's and pi_ref's log-probs.
@@ -716,6 +717,7 @@ class DapoTrainer:
                     metrics["perf/flops"].append(log_prob_flops(self.flop_shape, state.rollout))  # pi_old's, pi_ref's
                     metrics["num_gen_batches"].append(state.rounds)
                     state.rounds = 0
+                    stop_if_requested(self, metrics)  # a stop while sampling: no step begun, the rollout kept
 
                 # 3. One optimizer step: gradient accumulation over its slice of the rollout's micro-batches
                 #    (num_iterations passes over steps_per_generation slices).
@@ -746,18 +748,10 @@ class DapoTrainer:
                 # 4. Step end: evaluate, log, save, stop.
                 metrics["time/step"].append(time.perf_counter() - step_start)
                 metrics = self.world.gather_step(metrics)  # every rank's numbers, in rank order
-                stop = self.world.any(self.stop_requested)  # Ctrl-C or SIGTERM, on any rank
                 for loss in metrics["loss"]:  # the seed's file: a line per micro-step, numbered by the steps before
                     self.append_line("training_losses.txt", f"{state.update_steps - 1},{loss:.8f}")
-                if state.update_steps % args.eval_steps == 0:
-                    self.evaluate_and_log()
-                self.log_step(metrics)
-                metrics = defaultdict(list)
-                if stop:
-                    self.stop()
-                if state.update_steps % args.save_steps == 0:
-                    save_run_checkpoint(self)
-                step_start = time.perf_counter()
+                self.end_step(metrics)
+                metrics, step_start = defaultdict(list), time.perf_counter()
         check_data_ran_out(self, start_steps)  # guards.py: none or fewer steps than the bar's bound, said so
 
     def prompt_batches(self):
@@ -778,13 +772,23 @@ class DapoTrainer:
             state.batches_done += len(call)
             yield call
 
-    def stop(self):
-        """Ctrl-C or SIGTERM (deferred_interrupts): a checkpoint of where the loop is, the command that resumes."""
-        path = save_run_checkpoint(self)
-        launch = distributed.launcher(self.state.world_size, self.world.fsdp)
-        if self.world.is_main:  # one line for the job, not one per rank
-            say(f"stopped; continue with: {launch} --resume={path}")
-        raise KeyboardInterrupt
+    def end_step(self, metrics):
+        """A step's end (step 0: the evaluation before training): evaluate when due, log, save when due, stop if
+        asked. A stop during the evaluation ends it before its next batch (EvaluationStopped, torch's RNG rewound):
+        the checkpoint keeps the step's metrics, and the resumed run evaluates and logs the step first, as this
+        run would have. metrics: the step's, gathered from every rank."""
+        step = self.state.update_steps
+        self.state.evaluation_pending = step % self.args.eval_steps == 0
+        if self.state.evaluation_pending:
+            try:
+                self.evaluate_and_log()
+            except EvaluationStopped:  # on every rank: they asked together
+                stop_if_requested(self, metrics)
+        self.state.evaluation_pending = False
+        if step:
+            self.log_step(metrics)
+        saved = save_run_checkpoint(self) if step and step % self.args.save_steps == 0 else None
+        stop_if_requested(self, {}, saved)  # a stop during the evaluation's last batch or the write: that checkpoint
 
     # ---- 4.7 logging ----
     def append_line(self, filename, line):
@@ -795,21 +799,17 @@ class DapoTrainer:
         """This optimizer step's record: to metrics.jsonl, the tracker and the progress bar."""
         record = step_record(self.state.update_steps, metrics)
         record |= {key: self.world.sum(getattr(self.state, key)) for key in ("skipped_groups", "truncated_prompts")}
-        evaluated = self.state.update_steps % self.args.eval_steps == 0
-        record |= self.eval_record if evaluated else dict.fromkeys(self.eval_record)  # None: not evaluated now
+        record |= self.eval_record if self.state.update_steps % self.args.eval_steps == 0 else {}  # evaluated now
         record |= perf_metrics(record, self.peak_flops, self.world.size)  # perf/throughput, perf/mfu (flops.py)
         if self.args.device.startswith("cuda"):  # this step's peak: the counter starts again after each record
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.args.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.args.device)
-        record = dict.fromkeys(self.history[-1] if self.history else ()) | record  # a step that did not sample: None
+        keys = [*self.eval_record, *(self.history[-1] if self.history else ())]  # the run's keys in every record:
+        record = dict.fromkeys(keys) | record  # None where this step did not evaluate, sample, ...
         self.history.append(record)
         self.append_line("metrics.jsonl", json.dumps(record, ensure_ascii=False))
         self.tracker.log(record)
-        shown = {key: math.nan if value is None else value for key, value in record.items()}
-        postfix = dict(loss=f"{record['loss']:.4f}", reward=f"{shown.get('reward', math.nan):.3f}")
-        postfix.update(skipped=f"{shown.get('frac_groups_skipped', 0.0):.2f}", acc=f"{self.last_accuracy:.2f}")
-        postfix.update({"tok/s": f"{record['perf/throughput']:.0f}", "mfu": f"{record['perf/mfu']:.2%}"})
-        self.progress.set_postfix(postfix, refresh=False)
+        self.progress.set_postfix(progress_postfix(record, self.last_accuracy), refresh=False)
         self.progress.update(1)
 
     def evaluate_and_log(self):

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dapo_utils import distributed
 from dapo_utils.curves import in_words, read_jsonl, read_step_log, subfolders
 from dapo_utils.distributed import to_device
+from dapo_utils.options import run_command
 from dapo_utils.writes import WRITE_ERRORS, WriteFailed, why, writing
 
 TRAINER_STATE = "trainer_state.pt"  # in the newest checkpoint: optimizer, scheduler, loop state, RNG
@@ -284,7 +285,7 @@ def other_step_size(saved_args, processes, args, size):
         return ""
     fixes = [f"--gradient_accumulation_steps={before * processes // size}"] if before * processes % size == 0 else []
     if processes != size:  # or as it ran
-        fixes.append(f"{distributed.launcher(processes)} --gradient_accumulation_steps={before}")
+        fixes.append(f"{run_command(processes)} --gradient_accumulation_steps={before}")
     return (
         f"its steps were {before} micro-batches on each of {processes} process(es), this run's {now} on each of "
         f"{size}: resume with {' or with '.join(fixes)}"
@@ -546,13 +547,13 @@ def newest_checkpoint(output_dir):
     return next((s for s in steps if not checkpoint_damage(checkpoint_path(output_dir, s), checksums=False)), None)
 
 
-def resume_advice(output_dir, fix="", launcher="python train.py"):
+def resume_advice(output_dir, fix="", launcher=None):
     """After a run stopped: the newest checkpoint that resumes and the command that continues from it once `fix`
     (e.g. "free space") is done, or that there is none."""
     then, newest = f"{fix}, then " if fix else "", newest_checkpoint(output_dir)
     if newest is None:
         return f"there is no checkpoint to resume: {then}start the run again"
-    command = f"{launcher} --resume={checkpoint_path(output_dir, newest)}"
+    command = f"{launcher or run_command()} --resume={checkpoint_path(output_dir, newest)}"
     return f"the newest checkpoint is checkpoint_{newest} (step {newest}): {then}continue with {command}"
 
 
@@ -633,3 +634,15 @@ def deferred_interrupts(trainer):
 
     with stop_signal_handler(request_stop):
         yield
+
+
+def stop_if_requested(trainer, metrics, saved=None):
+    """After Ctrl-C or SIGTERM on any rank (deferred_interrupts): a checkpoint of where the trainer's loop is (saved:
+    one just written of it), with the step's metrics so far (trainer.state.metrics, for the resumed run), the command
+    that resumes it (trainer.command: its interpreter, launcher and mode); then KeyboardInterrupt."""
+    if trainer.world.any(trainer.stop_requested):
+        trainer.state.metrics = dict(metrics)
+        path = saved or save_run_checkpoint(trainer)
+        if trainer.world.is_main:  # one line for the job, not one per rank
+            say(f"stopped; continue with: {trainer.command} --resume={path}")
+        raise KeyboardInterrupt

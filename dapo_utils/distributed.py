@@ -40,10 +40,6 @@ import torch.distributed as dist
 
 GRAD_BUCKET = 2**24  # gradient elements per all-reduce (64 MB of float32)
 
-# torchrun's processes per node, as torchrun set them when this process started: vLLM's CPU platform later sets
-# LOCAL_WORLD_SIZE to its own tensor-parallel size in the process. None outside torchrun.
-PER_NODE = os.environ.get("LOCAL_WORLD_SIZE") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
-
 
 def setup(device="cpu", num_threads=0, timeout=1800):
     """This process's World: one process when WORLD_SIZE is unset or 1; else join (or reuse) the process
@@ -92,18 +88,6 @@ def end_of_run():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-
-
-def launcher(processes, fsdp=False):
-    """How to start a run of this many processes: the command a resume repeats (--fsdp: torchrun, even for 1). On
-    several nodes (this run's LOCAL_WORLD_SIZE is less) each node's own torchrun command, whose rendezvous endpoint
-    no process sees."""
-    per_node = int(PER_NODE or processes)
-    if processes == 1 and not fsdp:
-        return "python train.py"
-    if per_node >= processes:
-        return f"torchrun --nproc_per_node={processes} train.py"
-    return f"the same torchrun command on each of the {processes // per_node} nodes with"
 
 
 def step_slice(items, index, parts):

@@ -99,24 +99,39 @@ def summarise(records, k):
 LOGGED_EXAMPLES = 4  # evaluation problems a run writes to samples.jsonl at each evaluation
 
 
+class EvaluationStopped(Exception):
+    """Ctrl-C or SIGTERM during an evaluation of a training run: it ended at a batch boundary, torch's RNG back where
+    the evaluation found it, so that a run resumed from the checkpoint that follows evaluates exactly as this one
+    would have."""
+
+
 @torch.no_grad()
 def evaluate_model(trainer, num_samples, batch_size, num_examples=0):
     """k = eval_num_generations responses (trainer.respond: the trainer's sampling) to each of num_samples random
     test problems (0, or at least the split's size: all of them, in order). Returns (metrics, problem records in
     the problems' order, the first num_examples problems as samples.jsonl records of their first response). Under
-    torchrun each rank answers every N-th problem and all ranks get every record."""
+    torchrun each rank answers every N-th problem and all ranks get every record. A stop requested before a batch
+    (trainer.stop_requested, on any rank) raises EvaluationStopped."""
     world, dataset, k = trainer.world, trainer.eval_dataset, trainer.args.eval_num_generations
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state() if world.device.startswith("cuda") else None
     if 0 < num_samples < len(dataset):  # the seed's random subset, the same on every rank
         indices = world.from_rank_0(torch.randperm(len(dataset))[:num_samples].tolist())
         dataset = torch.utils.data.Subset(dataset, indices)
     trainer.model.eval()
     records, examples = [], []
+    checked = -(-(len(dataset) // world.size) // batch_size)  # batches every rank has: where all ask together
     batches = DataLoader(world.share(dataset), batch_size=batch_size, shuffle=False)
     if trainer.vllm:  # vLLM holds the full weights: they follow the policy here, where every rank is (--fsdp gathers)
         trainer.vllm.follow(trainer.model, trainer.state.update_steps)
     else:
         batches = world.while_unsharded(trainer.model, batches)  # --fsdp: gathered once for all batches
-    for batch in batches:
+    for number, batch in enumerate(batches):
+        if number < checked and world.any(trainer.stop_requested):  # a stop need not wait for the whole evaluation
+            getattr(batches, "close", lambda: None)()  # --fsdp: every rank re-shards here, together
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1])
+            raise EvaluationStopped
         responses, lengths, truncated = trainer.respond(batch["prompt"], k)  # k rows per problem
         for i, (question, answer) in enumerate(zip(batch["prompt"], batch["answer"])):
             rows = slice(i * k, (i + 1) * k)

@@ -27,7 +27,7 @@ from dapo_utils.curves import plot_command
 from dapo_utils.evaluation import accuracy_summary, run_eval
 from dapo_utils.guards import RunStopped
 from dapo_utils.notices import one_line_warnings
-from dapo_utils.options import python_command
+from dapo_utils.options import python_command, run_command
 from dapo_utils.record import write_run_arguments
 from dapo_utils.rewards import RewardFunctionError, check_rewards, reward_functions
 from dapo_utils.run_dir import claim_output_dir, hold_output_dir, unshared_folder
@@ -96,14 +96,21 @@ def command(cli, given, arguments_class, build_args, build_trainer, run, rewards
         args.model_path, args.data_path = world.on_rank_0(lambda: prepare_output_dir(*ready, cli.debug))
         script = inspect.getsourcefile(run)  # train.py
         again = python_command(script)  # how this folder's shell runs train.py again
+        restart = run_command(world.size, args.fsdp, script) + " --demo" * cli.demo  # this run's launcher and mode
         record = f"{again} {shlex.join(cli.argv)}", reward_funcs, os.path.dirname(script)
-        on_start = (lambda trainer: write_run_arguments(args, *record)) if world.is_main else None  # dapo_args.json
-        trainer = run_to_the_end(args, checkpoint, run, on_start, cli.debug, distributed.launcher(world.size))
+
+        def on_start(trainer):  # loaded, before it samples: the command its stop line prints; dapo_args.json
+            trainer.command = restart
+            if world.is_main:
+                write_run_arguments(args, *record)
+
+        trainer = run_to_the_end(args, checkpoint, run, on_start, cli.debug, restart)
     if world.is_main:  # the demo's commands run with this interpreter, activated venv or not
         if cli.demo:
             from dapo_utils.tiny_world import demo_summary
 
-            print(demo_summary(trainer.history, args, time.perf_counter() - cli.started, checkpoint, again))
+            wall = time.perf_counter() - cli.started
+            print(demo_summary(trainer.history, args, wall, checkpoint, again, restart))
         else:
             print(accuracy_summary(args.output_dir))
     return trainer

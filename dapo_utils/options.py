@@ -8,6 +8,8 @@ print_help before its own imports.
     print_help(path)                    --help from that text; cli.parse_cli sends --help here too (one text)
     python_command()                    the interpreter and script of this process, as a shell in the current folder
                                         runs them again (`.venv/bin/python train.py`): the commands a run prints
+    run_command(processes, fsdp)        the same for a run of that many processes: torch's launcher run by this
+                                        interpreter (`.venv/bin/python -m torch.distributed.run --nproc_per_node=2`)
 """
 
 import argparse
@@ -26,6 +28,10 @@ USAGE = (
     "train.py [--demo | --eval_only [--compare=MODEL] | --resume=CHECKPOINT | --plot DIR... | --check_rewards | "
     "--ablation] [--preset=NAME] [--field=value ...]"
 )
+# torchrun's processes per node, as torchrun set them when this process started: vLLM's CPU platform later sets
+# LOCAL_WORLD_SIZE to its own tensor-parallel size in the process. None outside torchrun.
+PER_NODE = os.environ.get("LOCAL_WORLD_SIZE") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+TRAIN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")  # the root's
 DESCRIPTION = "DAPO training on GSM8K (Chinese)."
 EPILOG = (
     "Names in brackets say where an option and its value come from: the seed (the annotated DAPO notes that "
@@ -244,13 +250,26 @@ def print_help(path):
     parser(fields, sections, {field.name: shown_default(field.default) for field in fields}).print_help()
 
 
-def python_command(script=None):
+def python_command(script=None, launcher=""):
     """How a shell in the current folder runs this interpreter (and script) again: paths under the current folder
     relative (`.venv/bin/python train.py`, whether or not the venv is activated), others absolute. script: a path
-    (default: the one Python runs, sys.argv[0])."""
+    (default: train.py beside this package); launcher: what goes between them (run_command's)."""
     python = shown_path(sys.executable)
     python = python if os.sep in python else f".{os.sep}{python}"  # a bare name would be looked up on PATH
-    return f"{shlex.quote(python)} {shlex.quote(shown_path(script or sys.argv[0]))}"
+    return f"{shlex.quote(python)} {launcher}{shlex.quote(shown_path(script or TRAIN_PY))}"
+
+
+def run_command(processes=1, fsdp=False, script=None):
+    """How a shell in the current folder starts train.py again as a run of `processes` processes (--fsdp: under the
+    launcher, even for 1): python_command(), or torchrun run as this interpreter's module (`-m torch.distributed.run`:
+    no torchrun on PATH needed, the venv's torch) with as many processes per node. On several nodes (this run's
+    LOCAL_WORLD_SIZE is less) each node's own launcher command, whose rendezvous endpoint no process sees."""
+    if processes == 1 and not fsdp:
+        return python_command(script)
+    per_node = int(PER_NODE or processes)
+    if per_node >= processes:
+        return python_command(script, f"-m torch.distributed.run --nproc_per_node={processes} ")
+    return f"the same torchrun command on each of the {processes // per_node} nodes with"
 
 
 def shown_path(path):

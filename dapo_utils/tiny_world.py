@@ -417,7 +417,7 @@ DEMO_WARM_UP_STEPS = 450  # 300 clean, then 150 noisy (WARM_UP_NOISY_SHARE)
 # paper's temperature 1, so its filter (keep a group only if 0 < #correct < G) keeps most groups.
 
 
-def demo_summary(history, args, wall_seconds, resumed_from=None, command="python train.py"):
+def demo_summary(history, args, wall_seconds, resumed_from=None, command="python train.py", restart=None):
     """The closing lines of a demo: held-out accuracy, strict and lenient (evaluation.py), at step 0 and at the
     last evaluation (the headline, with every evaluation), then the mean total and correctness reward over the
     first and last 50 sampled steps (or fifth of them; with steps_per_generation 4 one step in 4 samples), the
@@ -457,14 +457,15 @@ def demo_summary(history, args, wall_seconds, resumed_from=None, command="python
         f"  logs: {output_dir}/accuracy_losses.txt, evaluations.jsonl, training_losses.txt, metrics.jsonl; curves.png",
         f"  wall time: {minutes} min {seconds:02d} s, {how}",
     ]
-    return "\n".join(lines + demo_next_steps(args, command))
+    return "\n".join(lines + demo_next_steps(args, command, restart or f"{command} --demo"))
 
 
-def demo_next_steps(args, command):
+def demo_next_steps(args, command, restart):
     """Ready-to-paste commands on the demo's own folders, each run by command (the interpreter and script that ran
     the demo: with or without the venv activated, they run): its two models compared greedily on the problems its
     evaluations used, into a folder of its own that a second paste overwrites; the curves redrawn; and (when a
-    checkpoint is there) as many steps again from the newest one, whose settings it keeps."""
+    checkpoint is there) as many steps again from the newest one, whose settings it keeps, started by restart (the
+    demo's own launcher and processes, and --demo)."""
     output_dir = args.output_dir
     path = lambda *names: shlex.quote(shown_path(os.path.join(output_dir, *names)))  # noqa: E731
     demo, evaluated, model, data = path(), path("eval"), path("tiny-qwen2"), path("gsm8k_tiny")
@@ -483,7 +484,7 @@ def demo_next_steps(args, command):
         step = max(find_checkpoints(output_dir))
         lines += [
             f"  # {step} more steps, from checkpoint_{step}",
-            f"  {command} --demo --resume=latest --output_dir={demo} --max_steps={2 * step}",
+            f"  {restart} --resume=latest --output_dir={demo} --max_steps={2 * step}",
         ]
     return lines
 

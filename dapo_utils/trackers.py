@@ -39,7 +39,9 @@ def step_record(step, metrics):
     for key, values in metrics.items():
         if values and isinstance(values[0], list):  # per-token values, a list per micro-step: the step's tokens
             values = [value for part in values for value in part]
-        values = [value for value in values if value is not None and not (key.startswith("rewards/") and math.isnan(value))]
+        values = [
+            value for value in values if value is not None and not (key.startswith("rewards/") and math.isnan(value))
+        ]
         record.update(reduce_metric(key, values))
     if record.get("time/sampling") and record.get("sampled_tokens") is not None:
         record["sampled_tokens_per_second"] = record["sampled_tokens"] / record["time/sampling"]
@@ -89,6 +91,14 @@ def loss_diagnostics(ratio, advantages, entropy, kl, action_mask, clip_eps_low, 
     sums = [torch.where(mask, value, 0).sum(dtype=torch.float64) for value in values.values()]  # over the tokens
     *sums, count = torch.stack([*sums, mask.sum(dtype=torch.float64)]).tolist()
     return {name: total / count if count else None for name, total in zip(values, sums)}
+
+
+def progress_postfix(record, accuracy):
+    """The progress bar's numbers from a step's record and the last evaluation's strict accuracy."""
+    shown = {key: math.nan if value is None else value for key, value in record.items()}
+    postfix = dict(loss=f"{shown['loss']:.4f}", reward=f"{shown.get('reward', math.nan):.3f}")
+    postfix.update(skipped=f"{shown.get('frac_groups_skipped', 0.0):.2f}", acc=f"{accuracy:.2f}")
+    return postfix | {"tok/s": f"{shown['perf/throughput']:.0f}", "mfu": f"{shown['perf/mfu']:.2%}"}
 
 
 def percentile(ranked, q):

@@ -177,7 +177,7 @@ elif scenario == "starved_rank":  # rank 1 keeps no group: rank 0 fills every st
     trainer.optimizer.step = step_with_sigterm
     try:
         trainer.train()
-    except KeyboardInterrupt:  # trainer.stop(): after the checkpoint
+    except KeyboardInterrupt:  # stop_if_requested: after the checkpoint
         report["sigterm_stopped_at"] = trainer.state.update_steps
         report["sigterm_saved"] = sorted(f for f in os.listdir(out + "_sigterm") if f.startswith("checkpoint_"))
 elif scenario == "sampling_order":  # the demo's step (16 prompts x 8 responses), both filters, 3 steps

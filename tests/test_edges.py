@@ -34,6 +34,7 @@ from dapo_utils.notices import DapoWarning, one_line_warnings
 from dapo_utils.rewards import RewardFunctionError
 from dapo_utils.tiny_world import make_problems
 from dapo_utils.writes import WriteFailed, append_log
+from dapo_utils.options import run_command
 from train import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
@@ -145,7 +146,7 @@ def test_a_full_disk_at_the_log_cut_a_log_line_and_the_final_model_names_the_che
         return f
 
     resume = checkpoints.checkpoint_path(str(out), 2)
-    advice = "the newest checkpoint is checkpoint_2 (step 2): free space, then continue with python train.py "
+    advice = f"the newest checkpoint is checkpoint_2 (step 2): free space, then continue with {run_command()} "
     advice += f"--resume={resume}"
     with monkeypatch.context() as patch:
         patch.setattr(checkpoints, "open", tmp_file_full, raising=False)
@@ -285,7 +286,7 @@ def test_a_reward_function_that_raises_or_returns_strings_ends_in_one_line(world
         )
     assert error_line(raised) == (
         f"error: reward function raise_on_call raised {boom}; the newest checkpoint is checkpoint_2 (step 2): fix it, "
-        f"then continue with python train.py --resume={run_copy}/checkpoint_2"
+        f"then continue with {run_command()} --resume={run_copy}/checkpoint_2"
     )
     with pytest.raises(SystemExit) as raised:
         main(run_args(world, fresh, "--reward_funcs=edge_rewards_41:says_high"))
@@ -348,7 +349,7 @@ def test_sighup_stops_with_a_checkpoint_and_a_second_ctrl_c_names_the_newest(run
     printed = capsys.readouterr().out
     assert raised.value.code == 130 and steps_in(out) == [1, 2, 3] and leftovers(out) == []
     assert "SIGHUP: stopping after this step with a checkpoint (Ctrl-C again: stop now, no checkpoint)" in printed
-    assert f"stopped; continue with: python train.py --resume={out}/checkpoint_3" in printed
+    assert f"stopped; continue with: {run_command()} --resume={out}/checkpoint_3" in printed
 
     def two_ctrl_c_in_step_4(self, *args, **kwargs):
         if self.update_steps == 3:
@@ -361,7 +362,7 @@ def test_sighup_stops_with_a_checkpoint_and_a_second_ctrl_c_names_the_newest(run
     assert raised.value.code == 130 and leftovers(out) == []
     assert capsys.readouterr().err.splitlines()[-1] == (
         "stopped by Ctrl-C again, at once, without a checkpoint of this step; the newest checkpoint is checkpoint_3 "
-        f"(step 3): continue with python train.py --resume={out}/checkpoint_3"
+        f"(step 3): continue with {run_command()} --resume={out}/checkpoint_3"
     )
 
 

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 import train
 from dapo_utils import checkpoints
 from dapo_utils.checkpoints import checkpoint_damage, write_checksums
+from dapo_utils.options import run_command
 from train import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
@@ -70,7 +71,7 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_latest_equals_an_uninterrupt
     out = capsys.readouterr().out
     assert raised.value.code == 130 and steps_in(stopped) == [1, 2]  # step 2 finished
     assert "SIGTERM: stopping after this step with a checkpoint (Ctrl-C again: stop now, no checkpoint)" in out
-    assert f"stopped; continue with: python train.py --resume={stopped}/checkpoint_2" in out
+    assert f"stopped; continue with: {run_command()} --resume={stopped}/checkpoint_2" in out
     assert not (stopped / "train.lock").exists()
     host = socket.gethostname()
     (stopped / "train.lock").write_text(json.dumps({"pid": 1, "host": "elsewhere", "start": 1}))
@@ -157,7 +158,7 @@ def test_ctrl_c_between_sampling_rounds_stops_with_a_checkpoint(make_trainer, ca
         trainer.train()
     assert calls == [2, 2, 2] and trainer.state.batches_done == 6  # 2 prompt batches of 1 a call: a step's worth
     out = trainer.args.output_dir
-    assert f"stopped; continue with: python train.py --resume={out}/checkpoint_0" in capsys.readouterr().out
+    assert f"stopped; continue with: {run_command()} --resume={out}/checkpoint_0" in capsys.readouterr().out
     saved = torch.load(os.path.join(out, "checkpoint_0", "trainer_state.pt"), weights_only=True)
     assert saved["loop"]["batches_done"] == 6  # a resume goes on with the 7th prompt batch
 
@@ -181,7 +182,7 @@ def test_a_full_disk_anywhere_is_one_line_and_keeps_what_was_written(world, tmp_
         main(run_args(world, out, "--max_steps=3", "--save_steps=1", "--overwrite_output_dir=true"))
     assert error_line(raised) == (
         f"error: could not write checkpoint_2 (disk full?): {DISK_FULL}; the newest checkpoint is checkpoint_1 (step "
-        f"1): free space, then continue with python train.py --resume={out}/checkpoint_1"
+        f"1): free space, then continue with {run_command()} --resume={out}/checkpoint_1"
     )
     assert checkpoint_damage(out / "checkpoint_1") == ""  # weights, trainer state, arguments, checksums
     assert not (out / "checkpoint_2.tmp").exists() and not (out / "train.lock").exists()
@@ -192,7 +193,7 @@ def test_a_full_disk_anywhere_is_one_line_and_keeps_what_was_written(world, tmp_
     # (a resume at max_steps trains no further: it writes its final model from the checkpoint's weights)
     assert error_line(raised) == (
         f"error: could not write the final model to {out}/final_model.tmp ({DISK_FULL}); {out} keeps its earlier "
-        f"files; the newest checkpoint is checkpoint_1 (step 1): free space, then continue with python train.py "
+        f"files; the newest checkpoint is checkpoint_1 (step 1): free space, then continue with {run_command()} "
         f"--resume={out}/checkpoint_1"
     )
 
@@ -216,7 +217,7 @@ def test_a_full_disk_anywhere_is_one_line_and_keeps_what_was_written(world, tmp_
     assert error_line(raised) == (
         f"error: could not write the log {out}/training_losses.txt (No space left on device); its last line was not "
         "written, the lines before are whole; the newest checkpoint is checkpoint_1 (step 1): free space, then "
-        f"continue with python train.py --resume={out}/checkpoint_1"
+        f"continue with {run_command()} --resume={out}/checkpoint_1"
     )
 
 
@@ -303,7 +304,7 @@ def test_ctrl_c_during_the_final_save_keeps_the_earlier_model_whole(world, tmp_p
     assert raised.value.code == 130
     assert capsys.readouterr().err.endswith(
         f"stopped by Ctrl-C while writing the final model; {out} keeps its earlier files; the newest checkpoint is "
-        f"checkpoint_2 (step 2): continue with python train.py --resume={out}/checkpoint_2\n"
+        f"checkpoint_2 (step 2): continue with {run_command()} --resume={out}/checkpoint_2\n"
     )
     assert before == {name: (out / name).read_bytes() for name in before} and not (out / "final_model.tmp").exists()
     monkeypatch.undo()

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dapo_utils import distributed
+from dapo_utils import options
 from dapo_utils.checkpoints import find_checkpoint, find_checkpoints
 from dapo_utils.curves import read_jsonl
 from train import main
@@ -176,14 +176,16 @@ def test_one_node_writes_once_holds_the_folder_and_says_how_to_resume_with_one_p
 
 
 def test_the_resume_command_names_torchrun_per_node_as_torchrun_started_the_process(monkeypatch):
-    """launcher reads LOCAL_WORLD_SIZE as torchrun set it at the start: vLLM's CPU platform sets it to its own
+    """run_command reads LOCAL_WORLD_SIZE as torchrun set it at the start: vLLM's CPU platform sets it to its own
     tensor-parallel size (1) in the trainer's process later, which made a 2-process run's stop line read as if it
-    ran on 2 nodes."""
+    ran on 2 nodes. The launcher is torch's module run by this interpreter: no torchrun on PATH needed."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # what vLLM leaves behind
-    assert distributed.launcher(2) == "torchrun --nproc_per_node=2 train.py"
-    monkeypatch.setattr(distributed, "PER_NODE", "1")  # torchrun's own, on 2 nodes of 1 process
-    assert distributed.launcher(2) == "the same torchrun command on each of the 2 nodes with"
-    assert distributed.launcher(1) == "python train.py" and distributed.launcher(1, fsdp=True).startswith("torchrun")
+    python = options.python_command().split(" ")[0]
+    assert options.run_command(2) == f"{python} -m torch.distributed.run --nproc_per_node=2 train.py"
+    monkeypatch.setattr(options, "PER_NODE", "1")  # torchrun's own, on 2 nodes of 1 process
+    assert options.run_command(2) == "the same torchrun command on each of the 2 nodes with"
+    assert options.run_command(1) == f"{python} train.py"
+    assert options.run_command(1, fsdp=True) == f"{python} -m torch.distributed.run --nproc_per_node=1 train.py"
 
 
 def test_two_nodes_take_one_nodes_steps_and_refuse_an_output_folder_they_do_not_share(world, tmp_path, one_node):
@@ -272,7 +274,9 @@ def test_torchrun_restarts_after_a_workers_sigkill_and_sigterm_and_ends_as_the_u
     assert f"taking over {out}/train.lock, the lock of PID {first[0]} on host {socket.gethostname()}" in output
     assert "SIGTERM: stopping after this step with a checkpoint" in output
     assert output.count("stopped; continue with:") == 1  # rank 0's line for the job
-    stopped = re.search(r"stopped; continue with: torchrun --nproc_per_node=2 train.py --resume=(\S+)", output)
+    stopped = re.search(
+        r"stopped; continue with: \S+ -m torch.distributed.run --nproc_per_node=2 \S+ --resume=(\S+)", output
+    )
     assert stopped and os.path.basename(stopped.group(1)) in {f"checkpoint_{s}" for s in find_checkpoints(out)}
     assert_same_run(out, expected, keys=TRAINED)
 
@@ -311,7 +315,12 @@ def test_the_slurm_script_survives_a_preemption_and_ends_as_the_uninterrupted_ru
         os.kill(pid, signal.SIGTERM)
     status, output = finish(job, first)
     assert status != 0 and output.count("SIGTERM: stopping after this step with a checkpoint") == 2  # a rank each
-    assert output.count("stopped; continue with: torchrun --nproc_per_node=2 train.py --resume=") == 1
+    assert (
+        len(
+            re.findall(r"stopped; continue with: \S+ -m torch.distributed.run --nproc_per_node=2 \S+ --resume=", output)
+        )
+        == 1
+    )
     stopped_at = max(find_checkpoints(out))
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, stopped_at + 1))
     assert stopped_at < RUN["max_steps"] and not (out / "train.lock").exists()

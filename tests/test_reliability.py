@@ -437,22 +437,6 @@ def test_splits_of_different_types_are_named_and_both_read(tmp_path):
 
 
 # ---------- hints and warnings ----------
-def test_the_resume_hint_of_a_torchrun_run_is_the_torchrun_command(make_trainer, capsys):
-    trainer = make_trainer(max_steps=3, save_steps=100, eval_steps=100)
-    trainer.state.world_size = 2  # as torchrun's two processes would write it
-    step = trainer.train_step
-
-    def ctrl_c_in_step_1(*args, **kwargs):
-        trainer.stop_requested = True
-        return step(*args, **kwargs)
-
-    trainer.train_step = ctrl_c_in_step_1
-    with pytest.raises(KeyboardInterrupt):
-        trainer.train()
-    hint = f"continue with: torchrun --nproc_per_node=2 train.py --resume={trainer.args.output_dir}/checkpoint_1"
-    assert hint in capsys.readouterr().out
-
-
 def test_the_long_prompt_warning_comes_once_with_a_running_count_in_the_step_log(make_trainer):
     trainer = make_trainer(max_prompt_length=10, max_steps=2, eval_steps=100, save_steps=100)
     encoded, encode = [], trainer.encode_prompts
