@@ -142,17 +142,18 @@ def redraw_curves(output_dir):
         warn(f"could not draw curves.png: {error!r}")
 
 
-def plot_command(output_dirs):
+def plot_command(output_dirs, command="python train.py"):
     """`python train.py --plot DIR [DIR ...]`: one folder: draw DIR/curves.png; several: overlay.png in their common
     parent folder, a run per folder (plot_overlay). Returns the line that says so. A folder without the logs the
-    plots draw from exits in one line instead, naming its subfolders that have them."""
+    plots draw from exits in one line instead, naming its subfolders that have them in a command (command: how this
+    shell runs train.py, options.python_command)."""
     output_dirs = [output_dirs] if isinstance(output_dirs, str) else list(output_dirs)
     for output_dir in output_dirs:
         if not has_logs(output_dir):
             found, problem = subfolders(output_dir, has_logs), f"error: {output_dir!r} holds no training logs to plot"
             if not found:
                 sys.exit(f"{problem} ({', '.join(PLOTTED_LOGS)}): give the output_dir of a run")
-            sys.exit(f"{problem}; {in_words(found)} them: python train.py --plot={found[0]}")
+            sys.exit(f"{problem}; {in_words(found)} them: {command} --plot={found[0]}")
     if len(output_dirs) == 1:
         return f"wrote {plot_curves(output_dirs[0])}"
     parent = os.path.commonpath([os.path.abspath(d) for d in output_dirs])

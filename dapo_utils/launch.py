@@ -45,7 +45,7 @@ def main(argv, arguments_class, build_args, build_trainer, run, rewards_module):
     cli.debug = debugging(cli)
     if cli.plot:
         try:
-            return print(plot_command(cli.plot))
+            return print(plot_command(cli.plot, python_command()))
         except WriteFailed as error:  # a full disk
             fail(error, cli.debug)
     with one_line_warnings(), stop_signals_raise(STARTING):  # until training: a stop signal ends the start

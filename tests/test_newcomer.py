@@ -275,7 +275,7 @@ def test_plot_of_a_folder_without_logs_says_so_in_one_line(tmp_path, capsys):
         main([f"--plot={tmp_path / 'output'}"])
     assert exit_info.value.code == (
         f"error: '{tmp_path}/output' holds no training logs to plot; {tmp_path}/output/demo has them: "
-        f"python train.py --plot={tmp_path}/output/demo"
+        f"{python_command()} --plot={tmp_path}/output/demo"
     )
     assert not (tmp_path / "output" / "curves.png").exists()
     main([f"--plot={tmp_path}/output/demo"])
