@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Peak host memory (RSS) of each rank while 2 CPU processes resume a --fsdp checkpoint.
 
-    python benchmarks/fsdp_resume_memory.py [--hidden_size=768 --layers=6]
+    python benchmarks/fsdp_resume_memory.py [--hidden_size=768 --layers=6 --beta=0.04]
 
 What it runs: a random Qwen2 of the given shape (float32, the tiny world's tokenizer and data) trains one step
 under `torchrun --nproc_per_node=2 train.py --fsdp=true` and writes checkpoint_1 (weights, and Adam's two moments
@@ -9,7 +9,7 @@ in trainer_state.pt: three times the weights' bytes in all). Then 2 fresh gloo p
 torchrun) each build the trainer as train.py does (build_trainer: the model loaded, sharded) and resume the
 checkpoint (resume_run). Per rank it prints the kernel's peak RSS (VmHWM) after building the trainer ("load",
 train.py's initial model load), the RSS just before the resume, and the peak during the resume (VmHWM, reset
-before it), all in MB.
+before it), all in MB. With --beta > 0 the reference model is built (a copy of the policy) and sharded too.
 """
 
 import argparse
@@ -59,18 +59,18 @@ def torchrun(*argv):
         sys.exit(f"error: {' '.join(argv[:2])} ended with {done.returncode}:\n{done.stderr[-4000:]}")
 
 
-def settings(model_dir, data_dir, out):
-    return RUN | dict(model_path=model_dir, data_path=data_dir, output_dir=out, fsdp=True)
+def settings(model_dir, data_dir, out, beta):
+    return RUN | dict(model_path=model_dir, data_path=data_dir, output_dir=out, fsdp=True, beta=beta)
 
 
-def worker(report, model_dir, data_dir, out):
+def worker(report, model_dir, data_dir, out, beta):
     """One rank: build the trainer, resume the checkpoint, write its numbers to report_RANK.json."""
     from bench import peak_rss_bytes, reset_peak_rss, rss_bytes
     from dapo_utils import distributed
     from dapo_utils.checkpoints import resume_run
     from train import DapoArguments, build_trainer
 
-    args = DapoArguments(**settings(model_dir, data_dir, out))
+    args = DapoArguments(**settings(model_dir, data_dir, out, float(beta)))
     trainer = build_trainer(args)
     numbers = {"load": peak_rss_bytes() / MB, "before": rss_bytes() / MB}
     if not reset_peak_rss():
@@ -87,17 +87,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden_size", type=int, default=768)
     parser.add_argument("--layers", type=int, default=6)
-    # this process is one rank: REPORT MODEL_DIR DATA_DIR OUTPUT_DIR
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--beta", type=float, default=0.0, help="> 0: with a reference model")
+    # this process is one rank: REPORT MODEL_DIR DATA_DIR OUTPUT_DIR BETA
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
         return worker(*options.worker)
     with tempfile.TemporaryDirectory() as root:
         model_dir, data_dir, parameters = build_world(root, options.hidden_size, options.layers)
         out, report = os.path.join(root, "run"), os.path.join(root, "report")
-        train_py = [f"--{key}={value}" for key, value in settings(model_dir, data_dir, out).items()]
-        torchrun("train.py", *train_py)
-        torchrun(os.path.abspath(__file__), "--worker", report, model_dir, data_dir, out)
+        run = settings(model_dir, data_dir, out, options.beta)
+        torchrun("train.py", *[f"--{key}={value}" for key, value in run.items()])
+        torchrun(os.path.abspath(__file__), "--worker", report, model_dir, data_dir, out, str(options.beta))
         ranks = [json.load(open(f"{report}_{rank}.json")) for rank in (0, 1)]
         weights = os.path.getsize(os.path.join(out, "checkpoint_1", "model.safetensors")) / MB
         state = os.path.getsize(os.path.join(out, "checkpoint_1", "trainer_state.pt")) / MB
