@@ -330,7 +330,7 @@ def save_run_checkpoint(trainer):
 
 
 def resume_run(trainer, checkpoint):
-    """resume, under any number of processes (trainer.world): every rank loads the checkpoint, then its own loop
+    """resume, under any number of processes (trainer.world): every rank resumes the checkpoint, then its own loop
     state and RNG, regrouped when another number of processes wrote it (distributed.regrouped). Rank 0 alone cuts
     the logs back, first; the others wait for it (under --fsdp they take their shards from it, then wait)."""
     world = trainer.world

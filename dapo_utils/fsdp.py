@@ -126,14 +126,14 @@ class FsdpWorld(World):
     def load_optimizer_state(self, model, optimizer, saved):
         """optimizer.load_state_dict(saved) with rank 0's full, numbered state dict (None on the others): each
         tensor is broadcast in turn and every rank keeps its shard. Collective."""
-        names = [name for name, _ in model.named_parameters()]  # the optimizer's order: model.parameters()
-        by_name = saved and {
-            "state": {names[number]: value for number, value in saved["state"].items()},
-            "param_groups": [
+        by_name = {}
+        if saved is not None:
+            names = [name for name, _ in model.named_parameters()]  # the optimizer's order: model.parameters()
+            by_name["state"] = {names[number]: value for number, value in saved["state"].items()}
+            by_name["param_groups"] = [
                 group | {"params": [names[n] for n in group["params"]]} for group in saved["param_groups"]
-            ],
-        }
-        set_optimizer_state_dict(model, optimizer, by_name or {}, options=FROM_RANK_0)
+            ]
+        set_optimizer_state_dict(model, optimizer, by_name, options=FROM_RANK_0)
 
 
 def fsdp_modules(model):
