@@ -225,8 +225,9 @@ def resume(trainer, checkpoint, cut_logs=True):
     given anew (lr, weight_decay, warmup_steps, max_grad_norm) apply from here on; a changed STEP_SETTINGS
     field is refused, and so is another step size: another number of processes resumes with as many micro-batches
     a step over all of them. Only then are the logs cut back to the checkpoint's step, so that no line repeats."""
-    args, world = trainer.args, trainer.world  # read into CPU memory: --fsdp keeps full states there, a rank its shard
-    saved = torch.load(os.path.join(checkpoint, TRAINER_STATE), map_location="cpu", weights_only=True)
+    args, world = trainer.args, trainer.world
+    reads = world.is_main or not world.fsdp  # --fsdp: rank 0 alone reads the full states, the others get shards
+    saved = read_trainer_state(checkpoint, world)
     written = saved.get("step_settings")  # as the run had them, whatever an edit of dapo_args.json says
     if written is None:  # a checkpoint of an earlier version: its arguments file
         with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as f:
@@ -248,11 +249,10 @@ def resume(trainer, checkpoint, cut_logs=True):
         from dapo_utils.lora import load_adapters
 
         load_adapters(trainer.model, checkpoint)
-    else:
-        weights = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
-        world.load_model_state(trainer.model, weights)
+    else:  # no local holds the full weights past their load (the optimizer's full states come next)
+        world.load_model_state(trainer.model, load_causal_lm(checkpoint).state_dict() if reads else {})
     settings = [{k: v for k, v in group.items() if k != "params"} for group in trainer.optimizer.param_groups]
-    world.load_optimizer_state(trainer.model, trainer.optimizer, saved["optimizer"])
+    world.load_optimizer_state(trainer.model, trainer.optimizer, saved.pop("optimizer"))
     trainer.scheduler.load_state_dict(saved["scheduler"])
     trainer.scheduler.base_lrs = [args.lr] * len(settings)
     for group, setting in zip(trainer.optimizer.param_groups, settings):  # this run's settings, not the saved ones
@@ -274,6 +274,23 @@ def resume(trainer, checkpoint, cut_logs=True):
     trainer.history = read_jsonl(os.path.join(out, LOG_FILES[2]))
     accuracies = read_step_log(os.path.join(out, LOG_FILES[1]))  # the progress bar shows the last one
     trainer.last_accuracy = accuracies[max(accuracies)] if accuracies else float("nan")
+
+
+def read_trainer_state(checkpoint, world):
+    """The checkpoint's trainer state, in CPU memory. Under --fsdp rank 0 alone reads the file, whose optimizer
+    states are whole (twice the weights' bytes), and sends the rest (loop states, RNG, scheduler, step settings)
+    to the other ranks, whose "optimizer" is None: FsdpWorld.load_optimizer_state sends them their shards. A file
+    that does not load raises on rank 0; the others exit (World.on_rank_0)."""
+    path = os.path.join(checkpoint, TRAINER_STATE)
+    if not world.fsdp:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    full = {}
+
+    def read():
+        full.update(torch.load(path, map_location="cpu", weights_only=True))
+        return {key: value for key, value in full.items() if key != "optimizer"}
+
+    return world.on_rank_0(read) | {"optimizer": full.get("optimizer")}
 
 
 def other_step_size(saved_args, processes, args, size):
@@ -314,9 +331,9 @@ def save_run_checkpoint(trainer):
 
 
 def resume_run(trainer, checkpoint):
-    """resume, under any number of processes (trainer.world): every rank loads the checkpoint, then its own loop
+    """resume, under any number of processes (trainer.world): every rank resumes the checkpoint, then its own loop
     state and RNG, regrouped when another number of processes wrote it (distributed.regrouped). Rank 0 alone cuts
-    the logs back, first; the others wait for it (under --fsdp they load with it, then wait)."""
+    the logs back, first; the others wait for it (under --fsdp they take their shards from it, then wait)."""
     world = trainer.world
     if not world.is_main and not world.fsdp:  # --fsdp: loading the shards is collective, all ranks at once
         world.from_rank_0(None)

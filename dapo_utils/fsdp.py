@@ -10,8 +10,9 @@ the root. Imported only with --fsdp (DapoTrainer.__init__). What changes from di
     model gathered once per sampling round on every rank (one without a prompt that round too), once per
     evaluation (while_unsharded), resharded after.
   - checkpoints and the final model: full states gathered to rank 0 (full_model_state,
-    full_optimizer_state) and written as one process writes them; a resume loads them on every rank and
-    keeps each shard (load_model_state, load_optimizer_state).
+    full_optimizer_state) and written as one process writes them; a resume reads them on rank 0 alone, which
+    sends each rank its shards one tensor at a time (load_model_state, load_optimizer_state): one full copy in
+    host memory, not one per rank.
 """
 
 import contextlib
@@ -29,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from dapo_utils.distributed import World
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0, in CPU memory
+FROM_RANK_0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)  # rank 0's full state, sharded
 
 
 class FsdpWorld(World):
@@ -117,19 +119,21 @@ class FsdpWorld(World):
         return {"state": state, "param_groups": groups}
 
     def load_model_state(self, model, weights):
-        """model.load_state_dict(weights) with full weights; each rank keeps its shard."""
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+        """model.load_state_dict(weights) with rank 0's full weights ({} on the others, which read nothing): each
+        tensor is broadcast in turn and every rank keeps its shard. Collective."""
+        set_model_state_dict(model, weights, options=FROM_RANK_0)
 
     def load_optimizer_state(self, model, optimizer, saved):
-        """optimizer.load_state_dict(saved) with a full, numbered state dict; each rank keeps its shard of it."""
-        names = [name for name, _ in model.named_parameters()]  # the optimizer's order: model.parameters()
-        by_name = {
-            "state": {names[number]: value for number, value in saved["state"].items()},
-            "param_groups": [
+        """optimizer.load_state_dict(saved) with rank 0's full, numbered state dict (None on the others): each
+        tensor is broadcast in turn and every rank keeps its shard. Collective."""
+        by_name = {}
+        if saved is not None:
+            names = [name for name, _ in model.named_parameters()]  # the optimizer's order: model.parameters()
+            by_name["state"] = {names[number]: value for number, value in saved["state"].items()}
+            by_name["param_groups"] = [
                 group | {"params": [names[n] for n in group["params"]]} for group in saved["param_groups"]
-            ],
-        }
-        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+            ]
+        set_optimizer_state_dict(model, optimizer, by_name, options=FROM_RANK_0)
 
 
 def fsdp_modules(model):

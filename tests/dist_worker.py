@@ -9,6 +9,7 @@ sampling, recording each rank's rollouts.
 Rank 0 writes OUT_DIR/result.pt; every rank writes OUT_DIR/rank_R.json.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train  # noqa: E402
 from conftest import recording_generate_samples  # noqa: E402
-from dapo_utils import distributed  # noqa: E402
+from dapo_utils import checkpoints, distributed  # noqa: E402
 from dapo_utils.checkpoints import resume_run  # noqa: E402
 from reward_func import correctness_reward, digit_reward, hard_format_reward, mark_reward  # noqa: E402
 from train import DapoArguments, DapoTrainer, GSM8KDataset  # noqa: E402
@@ -106,6 +107,27 @@ def recording_micro_batches(trainer, record):
     trainer.make_micro_batches = recording
 
 
+@contextlib.contextmanager
+def recording_reads(record, out):
+    """In the block, the files this rank reads whole (torch.load of a path: broadcast_object_list unpickles from
+    memory with it too; the weights through checkpoints.load_causal_lm) appended to record, relative to out."""
+    torch_load, load_causal_lm = torch.load, checkpoints.load_causal_lm
+
+    def recorded(read):
+        def reading(path, *args, **kwargs):
+            if isinstance(path, str):
+                record.append(os.path.relpath(path, out))
+            return read(path, *args, **kwargs)
+
+        return reading
+
+    torch.load, checkpoints.load_causal_lm = recorded(torch_load), recorded(load_causal_lm)
+    try:
+        yield
+    finally:
+        torch.load, checkpoints.load_causal_lm = torch_load, load_causal_lm
+
+
 def make_trainer(output_dir, **settings):
     args = DapoArguments(model_path=model_dir, data_path=data_dir, output_dir=output_dir, **(FAST | settings))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -150,7 +172,7 @@ elif scenario == "starved_rank":  # rank 1 keeps no group: rank 0 fills every st
     report |= {"steps": trainer.state.update_steps, "history": [r["step"] for r in trainer.history]}
     report["skipped_groups"] = trainer.world.sum(trainer.state.skipped_groups)  # every rank's
     report["num_gen_batches"] = [r.get("num_gen_batches") for r in trainer.history]
-    if not trainer.world.fsdp:  # (--fsdp resumes in test_train_py_with_fsdp_saves_resumes_...)
+    if not trainer.world.fsdp:  # (--fsdp resumes in the fsdp_resume scenario)
         # Resumed from checkpoint_3 under 2 processes: the skip count goes on from the checkpoint's.
         resumed = make_trainer(out, max_steps=4, **starved)
         scripted_sampler(resumed, skip_on_rank=1)
@@ -199,6 +221,19 @@ elif scenario == "sampling_order":  # the demo's step (16 prompts x 8 responses)
             result[name] = weights(trainer)
             report[name] |= {key: [r[key] for r in trainer.history] for key in ("grad_norm", "num_gen_batches")}
             report[name]["skipped_groups"] = trainer.world.sum(trainer.state.skipped_groups)
+elif scenario == "fsdp_resume":  # 4 steps straight; 2 steps, then checkpoint_2 resumed in a new trainer for 2 more
+    straight = make_trainer(os.path.join(out, "straight"), fsdp=True, lr=1e-3, max_steps=4)
+    scripted_sampler(straight)
+    straight.train()
+    result["straight"] = weights(straight)
+    for steps in (2, 4):
+        trainer = make_trainer(os.path.join(out, "resumed"), fsdp=True, lr=1e-3, max_steps=steps, save_steps=2)
+        scripted_sampler(trainer)
+        if steps == 4:
+            with recording_reads(report.setdefault("read", []), out):
+                resume_run(trainer, os.path.join(out, "resumed", "checkpoint_2"))
+        trainer.train()
+        result[f"resumed_{steps}"] = weights(trainer)
 elif scenario == "main":  # train.py's main (training or --eval_only), with vLLM: what each rank sampled
     DapoTrainer.generate_samples = recording_generate_samples(report.setdefault("rollouts", []))
     train.main(overrides["argv"])

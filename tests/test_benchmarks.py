@@ -63,3 +63,14 @@ def test_log_probs_refuses_a_line_through_one_length_before_measuring():
     assert code == 2 and err.strip().splitlines()[-1] == (
         "log_probs.py: error: --fit=8192: a line needs two lengths or more, e.g. --fit 512,2048"
     )
+
+
+def test_fsdp_resume_memory_prints_each_ranks_peaks_for_the_model_it_builds():
+    """2 gloo processes resume a --fsdp checkpoint of a random Qwen2 of the given shape: one row per rank, in MB
+    (a process with torch loaded holds more than 100)."""
+    code, out, err = run_benchmark("benchmarks/fsdp_resume_memory.py", "--hidden_size=128", "--layers=2")
+    assert code == 0, err[-3000:]
+    assert out.startswith("model: 428,672 parameters; checkpoint: weights 2 MB, trainer state 3 MB\n"), out
+    rows = re.findall(r"^([01])\s+(\d+)\s+(\d+)\s+(\d+)\s+(-?\d+)$", out, re.M)
+    assert [row[0] for row in rows] == ["0", "1"], out
+    assert all(int(before) > 100 for _, _, before, _, _ in rows), out

@@ -224,6 +224,19 @@ def test_train_py_with_fsdp_saves_resumes_and_writes_a_loadable_model(world, tmp
     assert any(not torch.equal(final[k], at_2[k]) for k in final)  # steps 3 and 4 trained
 
 
+def test_fsdp_resume_is_exact_and_only_rank_0_reads_the_full_states(world, tmp_path):
+    """--fsdp, 2 processes: checkpoint_2 resumed for 2 more steps ends with the weights of 4 steps straight, to the
+    bit. Rank 0 alone reads the checkpoint's trainer state and weights; rank 1 gets its shards from it."""
+    reports, result = worker("fsdp_resume", world, tmp_path, nproc=2)
+    assert reports[0]["read"] == ["resumed/checkpoint_2/trainer_state.pt", "resumed/checkpoint_2"]
+    assert reports[1]["read"] == []
+    weights = torch.load(result)
+    straight, at_2, resumed = weights["straight"], weights["resumed_2"], weights["resumed_4"]
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(resumed[name], straight[name]) for name in straight)
+    assert all(not torch.equal(resumed[name], at_2[name]) for name in straight if "norm" not in name)  # trained
+
+
 def test_end_of_run_leaves_a_group_of_one_to_the_usual_shutdown(tmp_path):
     """vLLM starts a process group of 1 in the trainer's process (and transformers imports torch's FSDP): after
     main(), end_of_run returns and the interpreter shuts down as usual, atexit handlers included."""
