@@ -26,20 +26,25 @@ from dapo_utils import checkpoints  # noqa: E402
 COUNTED = ((os, "fsync"), (os, "rename"), (os, "replace"), (os, "remove"), (shutil, "rmtree"))
 
 
+def recorded(name, operation, record):
+    """operation (one of COUNTED) that first calls record([name, the path it acts on])."""
+
+    def call(target, *args, **kwargs):
+        record([name, os.readlink(f"/proc/self/fd/{target}") if name == "fsync" else os.fspath(target)])
+        return operation(target, *args, **kwargs)
+
+    return call
+
+
 def killed_at(kill_at, step, operations):
     """Count the file operations of the save_checkpoint of `step` into operations; SIGKILL before the kill_at-th."""
     active, save = [False], checkpoints.save_checkpoint
 
-    def counted(name, operation):
-        def call(target, *args, **kwargs):
-            if active[0]:
-                path = os.readlink(f"/proc/self/fd/{target}") if name == "fsync" else os.fspath(target)
-                operations.append([name, path])
-                if len(operations) == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-            return operation(target, *args, **kwargs)
-
-        return call
+    def count(operation):
+        if active[0]:
+            operations.append(operation)
+            if len(operations) == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def saving(trainer, *args, **kwargs):
         active[0] = trainer.state.update_steps == step
@@ -49,7 +54,7 @@ def killed_at(kill_at, step, operations):
             active[0] = False
 
     for module, name in COUNTED:
-        setattr(module, name, counted(name, getattr(module, name)))
+        setattr(module, name, recorded(name, getattr(module, name), count))
     checkpoints.save_checkpoint = saving
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import train
+from checkpoint_killer import COUNTED, recorded
 from dapo_utils.checkpoints import TRAINER_STATE, checkpoint_path, complete_interrupted_saves, save_checkpoint
 from test_faults import run_args, weights
 from train import main
@@ -27,19 +28,8 @@ RUN = ("--max_steps=3", "--save_steps=1", "--eval_steps=100")
 def recorded_operations(monkeypatch):
     """[name, path] of each fsync, rename, remove and rmtree from here on, in order."""
     operations = []
-
-    def recording(module, name):
-        operation = getattr(module, name)
-
-        def call(target, *args, **kwargs):
-            path = os.readlink(f"/proc/self/fd/{target}") if name == "fsync" else os.fspath(target)
-            operations.append([name, path])
-            return operation(target, *args, **kwargs)
-
-        monkeypatch.setattr(module, name, call)
-
-    for module, name in ((os, "fsync"), (os, "rename"), (os, "replace"), (os, "remove"), (shutil, "rmtree")):
-        recording(module, name)
+    for module, name in COUNTED:
+        monkeypatch.setattr(module, name, recorded(name, getattr(module, name), operations.append))
     return operations
 
 
