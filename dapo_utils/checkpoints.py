@@ -1,4 +1,5 @@
-"""Models and checkpoints: load a policy (folder or .gguf); save, find, check (sha256 of each file but the editable
+"""Models and checkpoints: load a policy (folder or .gguf); save (crash-consistently: fsynced before the rename, a
+killed write completed by the lock's next holder), find, check (sha256 of each file but the editable
 dapo_args.json) and load checkpoints that resume a run exactly, cutting the logs back to the checkpoint's step;
 the final model saved atomically; writes that fail (a full disk) in one line, with the checkpoint to resume;
 Ctrl-C, SIGTERM and SIGHUP that stop with a checkpoint, or, before training, at once with the clean-ups run."""
