@@ -1,4 +1,5 @@
-"""Models and checkpoints: load a policy (folder or .gguf); save, find, check (sha256 of each file but the editable
+"""Models and checkpoints: load a policy (folder or .gguf); save (crash-consistently: fsynced before the rename, a
+killed write completed by the lock's next holder), find, check (sha256 of each file but the editable
 dapo_args.json) and load checkpoints that resume a run exactly, cutting the logs back to the checkpoint's step;
 the final model saved atomically; writes that fail (a full disk) in one line, with the checkpoint to resume;
 Ctrl-C, SIGTERM and SIGHUP that stop with a checkpoint, or, before training, at once with the clean-ups run."""
@@ -35,6 +36,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # dapo_args.json is the file a user reads and may edit: its keys and types are checked (checkpoint_arguments), and
 # the step settings it may not change are checked against the trainer state's own copy (resume).
 CHECKSUMS = "checksums.json"
+TMP, ASIDE = ".tmp", ".old"  # checkpoint_N.tmp: being written; checkpoint_N.old: the one it replaces (move_into_place)
 # in output_dir
 LOG_FILES = ("training_losses.txt", "accuracy_losses.txt", "metrics.jsonl", "samples.jsonl", "evaluations.jsonl")
 # What one optimizer step is made of: changing one of these on resume would silently change the run.
@@ -109,16 +111,17 @@ def checkpoint_path(output_dir, step):
 def save_checkpoint(trainer, model_state=None, optimizer_state=None):
     """output_dir/checkpoint_N: model, tokenizer, optimizer, scheduler, loop position, RNG, arguments.
 
-    Written at a step end to checkpoint_N.tmp with the sha256 of each file, read back (checkpoint_damage) and
-    renamed into place, so a crash (or a full disk: one line, WriteFailed) never leaves a complete-looking half
-    checkpoint. Only then do older checkpoints drop their trainer state (keeping weights and tokenizer): one
-    intact resumable checkpoint always exists.
+    Written at a step end to checkpoint_N.tmp with the sha256 of each file, read back (checkpoint_damage), each
+    file and the folder fsynced, then moved into place (move_into_place), so a crash (or a full disk: one line,
+    WriteFailed) never leaves a complete-looking half checkpoint. Only once its name is durable do older
+    checkpoints drop their trainer state (keeping weights and tokenizer): at every instant a complete resumable
+    copy exists, which complete_interrupted_saves puts in place after a kill.
     model_state, optimizer_state: the full states when the trainer's are sharded (--fsdp; see
     save_run_checkpoint); None = the model's and optimizer's own.
     """
     args, step = trainer.args, trainer.state.update_steps
     final = checkpoint_path(args.output_dir, step)
-    tmp = final + ".tmp"
+    tmp = final + TMP
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         trainer.model.save_pretrained(tmp, state_dict=model_state)
@@ -136,13 +139,15 @@ def save_checkpoint(trainer, model_state=None, optimizer_state=None):
         damage = checkpoint_damage(tmp, checksums=False)  # read back before any older trainer state goes
         if damage:
             raise OSError(damage)
+        for name in os.listdir(tmp):  # on the disk, not in the page cache, before a rename can expose it
+            fsync_path(os.path.join(tmp, name))
+        fsync_path(tmp)
     except (*WRITE_ERRORS, KeyboardInterrupt) as error:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C while writing: no half checkpoint stays
             raise
         raise WriteFailed(f"could not write checkpoint_{step} (disk full?): {why(error)}") from error
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    move_into_place(tmp, final)
     # Only the newest checkpoint keeps the trainer state (a 1.5B model's Adam states are 12 GB).
     older = sorted(s for s in find_checkpoints(args.output_dir) if s != step)
     for old in older:
@@ -151,6 +156,60 @@ def save_checkpoint(trainer, model_state=None, optimizer_state=None):
     for old in older[: max(0, len(older) + 1 - args.save_total_limit)] if args.save_total_limit else []:
         shutil.rmtree(checkpoint_path(args.output_dir, old))
     return final
+
+
+def fsync_path(path):
+    """Make a file's bytes, or a folder's names (the files created, renamed or removed in it), durable: on the
+    disk, so that a power cut keeps them."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def move_into_place(tmp, final):
+    """Rename the complete and durable folder tmp (checkpoint_N.tmp) to final. A rewrite of checkpoint_N (a resumed
+    run stopped before its next step) first moves the existing one aside to checkpoint_N.old, removed only once
+    the new name is durable (the folder fsynced): a kill between any two of these steps leaves a complete copy of
+    step N under one of the three names, which complete_interrupted_saves puts back in place."""
+    aside = final + ASIDE
+    if os.path.isdir(final):
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    fsync_path(os.path.dirname(final))
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def complete_interrupted_saves(output_dir):
+    """Finish the checkpoint writes a kill -9 or a power cut cut short in output_dir, so that the newest complete
+    checkpoint is a checkpoint_N that --resume finds: a complete checkpoint_N.tmp (unfinished_damage) is moved into
+    place as save_checkpoint would have, an incomplete one removed; a checkpoint_N.old goes back in place when no
+    checkpoint_N is there, else it is removed. For the lock's holder (hold_output_dir), before a checkpoint is
+    chosen: no other process writes there."""
+    for step in sorted(set(find_checkpoints(output_dir, TMP) + find_checkpoints(output_dir, ASIDE))):
+        final = checkpoint_path(output_dir, step)
+        tmp, aside = final + TMP, final + ASIDE
+        if os.path.isdir(tmp) and not unfinished_damage(tmp):  # the newer write of step N: it goes in place
+            print(f"completing the write of {final}, which was cut short")
+            move_into_place(tmp, final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.isdir(aside) and not os.path.isdir(final):
+            os.rename(aside, final)
+            fsync_path(output_dir)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def unfinished_damage(folder):
+    """'' when a checkpoint_N.tmp left by a killed write is complete: checkpoint_damage's checks, and every file
+    that its checksums.json (written after the others) lists is there with its sha256; else what is not."""
+    damage = checkpoint_damage(folder, (ARGS_FILE, TRAINER_STATE, CHECKSUMS), checksums=False)
+    if damage:
+        return damage
+    with open(os.path.join(folder, CHECKSUMS), encoding="utf-8") as f:
+        listed = list(json.load(f))
+    missing = [name for name in listed if not os.path.isfile(os.path.join(folder, name))]
+    return f"{os.path.join(folder, missing[0])} is missing" if missing else checksum_damage(folder, listed)
 
 
 def saved_arguments(args):
@@ -393,10 +452,11 @@ def cut_log(path, keep):
         raise
 
 
-def find_checkpoints(output_dir):
-    """The step numbers of output_dir/checkpoint_N folders."""
+def find_checkpoints(output_dir, end=""):
+    """The step numbers of output_dir/checkpoint_N folders (end: of checkpoint_N{end}, e.g. the TMP ones)."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    return [int(name[11:]) for name in names if name.startswith("checkpoint_") and name[11:].isdigit()]
+    stems = [name.removesuffix(end) for name in names if name.startswith("checkpoint_") and name.endswith(end)]
+    return [int(stem[11:]) for stem in stems if stem[11:].isdigit()]
 
 
 def find_checkpoint(resume, output_dir):

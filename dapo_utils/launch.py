@@ -3,7 +3,8 @@
 before anything loads, and the summary at the end. The run itself is train.py's `run` (the seed's entry point:
 build the trainer, train, save the model); train.py's `main` hands this module its pieces, so that the package never imports the script. Under torchrun (one node or
 several) what must be one choice for the whole job is rank 0's, and every rank follows it (World.on_rank_0):
-the checkpoint to resume, the output folder's lock and its preparation; a refusal ends every rank.
+the checkpoint to resume, the output folder's lock and its preparation; a refusal ends every rank. A resume holds
+the lock before it chooses its checkpoint.
 
 However the command ends, it ends in one line (--debug or DAPO_DEBUG=1: the traceback instead): a refused setting,
 a diverged run, a full disk or a user's reward function that fails (with the checkpoint to continue from), and
@@ -48,9 +49,10 @@ def main(argv, arguments_class, build_args, build_trainer, run, rewards_module):
             return print(plot_command(cli.plot, python_command()))
         except WriteFailed as error:  # a full disk
             fail(error, cli.debug)
-    with one_line_warnings(), stop_signals_raise(STARTING):  # until training: a stop signal ends the start
+    # until training: a stop signal ends the start; lock: output_dir's, however the command ends
+    with one_line_warnings(), stop_signals_raise(STARTING), contextlib.ExitStack() as lock:
         try:
-            return command(cli, given, arguments_class, build_args, build_trainer, run, rewards_module)
+            return command(cli, given, lock, arguments_class, build_args, build_trainer, run, rewards_module)
         except Interrupted as stop:  # before training (train.py's run stops later ones itself): nothing to resume
             if cli.debug or stop.phase != STARTING:
                 raise
@@ -58,11 +60,15 @@ def main(argv, arguments_class, build_args, build_trainer, run, rewards_module):
             sys.exit(128 + stop.signum)
 
 
-def command(cli, given, arguments_class, build_args, build_trainer, run, rewards_module):
-    """main's work once the command line is read: the settings, the checks, the output folder held, the run."""
+def command(cli, given, lock, arguments_class, build_args, build_trainer, run, rewards_module):
+    """main's work once the command line is read: the settings, the checks, the output folder held (lock: an
+    ExitStack that lets it go if the command ends before the run), the run."""
     settings = command_settings(cli, given)  # never a checkpoint's: the device and timeout are this machine's
     device, timeout = (settings.get(k, getattr(arguments_class, k)) for k in ("device", "ddp_timeout"))
     world = distributed.setup(device, timeout=timeout)  # torchrun: the process group first, rank 0 decides for all
+    if cli.resume:  # held first: no other run writes there, and a killed one's cut-short checkpoint is complete
+        hold = (resumed_output_dir(cli.resume, given, settings, arguments_class), cli.take_over_lock, True)
+        world.on_rank_0(lambda: lock.enter_context(hold_output_dir(*hold)))
     try:  # the command line over a checkpoint's settings over the demo's, under the preset
         overrides, checkpoint = run_settings(cli, given, arguments_class, world)
         args = build_args(cli.preset, overrides)
@@ -81,9 +87,11 @@ def command(cli, given, arguments_class, build_args, build_trainer, run, rewards
     if cli.eval_only:  # checked before anything loads
         models = check_eval_only(args, cli.compare)
     world = distributed.setup(args.device, args.num_threads, args.ddp_timeout)  # this run's threads
-    hold = (args.output_dir, cli.take_over_lock, bool(cli.resume))  # a resume (auto too) takes a dead lock
     with contextlib.ExitStack() as held:
-        world.on_rank_0(lambda: held.enter_context(hold_output_dir(*hold)))  # rank 0 holds it for the run
+        held.enter_context(lock.pop_all())  # a resume's, until the run ends
+        if not cli.resume:
+            hold = (args.output_dir, cli.take_over_lock)
+            world.on_rank_0(lambda: held.enter_context(hold_output_dir(*hold)))  # rank 0 holds it for the run
         if cli.eval_only:  # no training: model_path (and --compare) on the test split, greedy unless --temperature
             try:
                 return run_eval(args, models, build_trainer, temperature_given="temperature" in given)
@@ -114,6 +122,15 @@ def command(cli, given, arguments_class, build_args, build_trainer, run, rewards
         else:
             print(accuracy_summary(args.output_dir))
     return trainer
+
+
+def resumed_output_dir(resume, given, settings, arguments_class):
+    """The output_dir a --resume run writes to, known before its checkpoint is chosen (run_settings): --output_dir
+    as given, else the folder of --resume=FOLDER/checkpoint_N, else the one --resume=auto and latest look in (the
+    demo's, or the default: settings, command_settings')."""
+    if resume in ("auto", "latest") or "output_dir" in given:
+        return settings.get("output_dir", arguments_class.output_dir)
+    return os.path.dirname(os.path.abspath(resume))
 
 
 def prepare_output_dir(args, fresh_demo, fresh, num_reward_funcs, debug):

@@ -1,5 +1,5 @@
 """The output folder a run writes to: it holds the folder for the whole run (hold_output_dir, a lock file with
-its PID, host and start time: lock_refusal, lock_holder, process_runs), and a fresh run claims it
+its PID, host, start time and job: lock_refusal, lock_holder, process_runs, job_id), and a fresh run claims it
 (claim_output_dir: an earlier run's logs and checkpoints cleared with --overwrite_output_dir=true, else refused;
 earlier_run says what is there); a run that ends before it wrote anything leaves no lock and no empty folder;
 under torchrun every node must see it (unshared_folder: rank 0's lock, read on every rank). Used by launch.py
@@ -13,9 +13,13 @@ import shutil
 import socket
 import sys
 
-from dapo_utils.checkpoints import LOG_FILES, find_checkpoints
+from dapo_utils.checkpoints import LOG_FILES, complete_interrupted_saves, find_checkpoints
 
-LOCK_FILE = "train.lock"  # in output_dir while a run writes there: {"pid": ..., "host": ..., "start": ...}
+LOCK_FILE = "train.lock"  # in output_dir while a run writes there: {"pid": ..., "host": ..., "start": ..., "job": ...}
+# What names the job a process belongs to, the same in each of its restarts: SLURM's job ID (kept by a requeue),
+# else torchrun's run ID (--rdzv_id; a --standalone launch draws one for all its restarts). "none" is torchrun's
+# default --rdzv_id, shared by unrelated jobs: no job.
+JOB_VARIABLES = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 # a finished run's model in output_dir (with LoRA: its adapters)
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 
@@ -52,11 +56,13 @@ def claim_output_dir(output_dir, may_clear, demo=False):
 
 def lock_refusal(output_dir, take_over, take_over_dead=False):
     """Create output_dir/train.lock exclusively (O_CREAT | O_EXCL, mode 0644) with this process's PID, host and
-    start time. Returns '' when this run holds it, else the one line that refuses the run. A lock whose process no
-    longer runs on this host (its PID gone, or now another process's: another start time), or that names no
-    process (empty or unreadable: a run killed or out of disk space as it wrote it), is a dead holder's: taken over
-    with --take_over_lock, or by take_over_dead (a --resume). One of another host (whose process this one cannot
-    see) only with --take_over_lock; a lock of a live process never is. A lock that cannot be written (a full
+    start time and job (this_process). Returns '' when this run holds it, else the one line that refuses the run.
+    A lock whose process no longer runs on this host (its PID gone, or now another process's: another start time),
+    that names no process (empty or unreadable: a run killed or out of disk space as it wrote it), or that another
+    host's process of this job wrote (a restart of the job: its processes have ended, a SLURM requeue or torchrun's
+    restart may put rank 0 on another node) is a dead holder's: taken over with --take_over_lock, or by
+    take_over_dead (a --resume). One of another host of another job, or of none (whose process this one cannot
+    see), only with --take_over_lock; a lock of a live process never is. A lock that cannot be written (a full
     disk) is removed and its OSError raised."""
     path, host = os.path.join(output_dir, LOCK_FILE), socket.gethostname()
     for attempt in range(2):  # the second: after taking over a stale lock
@@ -67,8 +73,13 @@ def lock_refusal(output_dir, take_over, take_over_dead=False):
             if holder is None:
                 gone = "that names no run (empty: one killed while starting?)"
             elif holder["host"] != host:
-                dead = False
-                gone = f"of PID {holder['pid']} on host {holder['host']}, another machine: if that run has ended"
+                job = holder.get("job")
+                dead = job is not None and job == job_id()
+                gone = f"of PID {holder['pid']} on host {holder['host']}, another machine"
+                if dead:
+                    gone += f", of this job ({job}), which restarted"
+                else:
+                    gone += (f", of another job ({job})" if job else "") + ": if that run has ended"
             elif not process_runs(holder["pid"], holder.get("start")):
                 gone = f"of PID {holder['pid']} on host {host}, which no longer runs (killed?)"
             else:
@@ -102,12 +113,19 @@ def write_lock(descriptor, path):
 
 
 def this_process():
-    """What the lock records of this process: PID, host and start time (process_start)."""
-    return {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start(os.getpid())}
+    """What the lock records of this process: PID, host, start time (process_start) and job (job_id)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start(os.getpid()), "job": job_id()}
+
+
+def job_id():
+    """The job this process belongs to, as "VARIABLE=value" of the first of JOB_VARIABLES set; None outside one."""
+    found = [(name, os.environ.get(name)) for name in JOB_VARIABLES if os.environ.get(name) not in (None, "", "none")]
+    return f"{found[0][0]}={found[0][1]}" if found else None
 
 
 def lock_holder(path):
-    """{"pid", "host"[, "start"]} of a lock file; None when it names none (empty, or a run killed mid-write)."""
+    """{"pid", "host"[, "start", "job"]} of a lock file; None when it names none (empty, or a run killed
+    mid-write)."""
     try:
         with open(path, encoding="utf-8") as f:
             holder = json.load(f)
@@ -142,8 +160,10 @@ def process_runs(pid, start=None):
 def hold_output_dir(output_dir, take_over=False, resuming=False):
     """This run holds output_dir (lock_refusal) until the block ends, however it ends: normally, by an error,
     by Ctrl-C, SIGTERM or sys.exit; then the folders it made for the run go again if they are empty (a refused
-    run leaves nothing behind). Refused: exit in one line naming the holder. resuming: a lock whose process is
-    dead on this host is taken over with a notice. Under torchrun rank 0 alone holds it, for the job."""
+    run leaves nothing behind). Refused: exit in one line naming the holder. resuming: a dead holder's lock
+    (lock_refusal) is taken over with a notice. Once held, the checkpoint writes a killed holder cut short are
+    finished (complete_interrupted_saves), so that the checkpoint a resume then chooses is the newest complete
+    one. Under torchrun rank 0 alone holds it, for the job."""
     made = missing_folders(output_dir)
     try:
         os.makedirs(output_dir, exist_ok=True)
@@ -162,6 +182,7 @@ def hold_output_dir(output_dir, take_over=False, resuming=False):
         sys.exit(refusal)
     path = os.path.join(output_dir, LOCK_FILE)
     try:
+        complete_interrupted_saves(output_dir)
         yield
     finally:
         if lock_holder(path) == this_process():  # still ours

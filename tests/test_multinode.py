@@ -293,7 +293,8 @@ def test_the_slurm_script_survives_a_preemption_and_ends_as_the_uninterrupted_ru
     """docs/multi-gpu.md's script, run by bash with `srun` and `scontrol` standing in (one node of 2 processes):
     SIGTERM mid-run to the shell, torchrun and each worker, as SLURM signals the job's processes (so each worker
     also gets torchrun's forwarded one); the workers stop after the step with a checkpoint, the shell waits. The identical command
-    again (the requeued job) resumes it and ends with the uninterrupted run's metrics and weights."""
+    again (the requeued job) resumes it and ends with the uninterrupted run's metrics and weights, on other nodes:
+    through the lock a SIGKILL past the grace leaves on the first job's node, which is the same job's."""
     expected, _ = one_node
     stand_ins = tmp_path / "bin"
     stand_ins.mkdir()
@@ -324,6 +325,10 @@ def test_the_slurm_script_survives_a_preemption_and_ends_as_the_uninterrupted_ru
     stopped_at = max(find_checkpoints(out))
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, stopped_at + 1))
     assert stopped_at < RUN["max_steps"] and not (out / "train.lock").exists()
+    (out / "train.lock").write_text(json.dumps({"pid": 1, "host": "node1", "start": 1, "job": "SLURM_JOB_ID=4242"}))
     status, output = finish(start(command, tmp_path / "again.log", env), tmp_path / "again.log")  # requeued
     assert status == 0, output[-4000:]
+    assert (
+        "the lock of PID 1 on host node1, another machine, of this job (SLURM_JOB_ID=4242), which restarted" in output
+    )
     assert_same_run(out, expected, keys=TRAINED)
