@@ -117,6 +117,7 @@ def resume_check(opts, fsdp=False):
     steps 1-2 logged once, the final weights against the reference's."""
     from dapo_utils.checkpoints import resume_run
     from dapo_utils.curves import read_jsonl
+    from dapo_utils.options import run_command
 
     out = opts.out or tempfile.mkdtemp(prefix="gpu_check_resume_")
     settings = dict(device=opts.device, fsdp=fsdp, max_steps=2, steps_per_generation=2, generation_batch_size=6)
@@ -138,7 +139,7 @@ def resume_check(opts, fsdp=False):
     try:
         with contextlib.redirect_stdout(printed):
             stopped.train()
-    except KeyboardInterrupt:  # trainer.stop(): after its checkpoint
+    except KeyboardInterrupt:  # checkpoints.stop_if_requested: after its checkpoint
         pass
     print(printed.getvalue(), end="")
     checkpoint = os.path.join(out, "stopped", "checkpoint_1")
@@ -157,7 +158,7 @@ def resume_check(opts, fsdp=False):
     gap = max((final[k] - v.detach().float().cpu()).abs().max().item() for k, v in full_state(resumed).items())
     print(f"  checkpoint_1 after SIGTERM in step 1: {held}; restored on {devices}, the model on {model_device}")
     print(f"  the resumed run's final weights against the uninterrupted run's: max |difference| {gap:.3g}")
-    hint = "torchrun --nproc_per_node=1 train.py --resume=" if fsdp else "python train.py --resume="
+    hint = f"{run_command(1, fsdp)} --resume="  # this interpreter (with torch's launcher under --fsdp)
     check([
         (hint in printed.getvalue(), f"the stop message's command: {hint}..."),
         (half_done, "a checkpoint with buffered groups and a half-done rollout"),

@@ -58,11 +58,17 @@ def killed_at(kill_at, step, operations):
     checkpoints.save_checkpoint = saving
 
 
+def stop_at_once(trainer):
+    """What a SIGTERM before the resumed run's next step does: the checkpoint of where it stands, then the stop."""
+    trainer.stop_requested = True
+    checkpoints.stop_if_requested(trainer, {})
+
+
 def run(job, kill_at, folder, operations):
     """train.main(job's argv) with --output_dir=folder, killed before operation kill_at (0: never)."""
     killed_at(kill_at, job["step"], operations)
     if job["rewrite"]:
-        train.DapoTrainer.train = lambda trainer: trainer.stop()
+        train.DapoTrainer.train = stop_at_once
     try:
         train.main([*job["argv"], f"--output_dir={folder}"])
     except SystemExit as stop:  # 130: the rewrite's stop

@@ -4,6 +4,7 @@ filter_metric / max_num_gen_batches (Eq. 11), loss_agg_mode (Eq. 12), the soft o
 (Eq. 13), overlong_filter, AdamW / warm-up / gradient clipping, and --preset paper (which learns).
 """
 
+import json
 import math
 import os
 
@@ -14,6 +15,7 @@ from conftest import SEED_REWARDS, as_micro_batch, make_batch, scripted_sampler,
 from dapo_utils.cli import parse_cli
 from dapo_utils.curves import read_step_log
 from dapo_utils.presets import paper_preset
+from dapo_utils.trackers import step_record
 from reward_func import correctness_reward as real_correctness_reward
 from train import (
     DapoArguments,
@@ -423,9 +425,13 @@ def test_fully_masked_micro_batch_logs_finite_metrics(make_trainer):
     inputs = as_micro_batch(trainer, kept)
     metrics = trainer.train_step(trainer.model, inputs)
     assert metrics["num_tokens"] == 0 and metrics["loss"] == 0.0
-    nan = {key: value for key, value in metrics.items() if math.isnan(value)}
+    # No token to average over: the diagnostics are None (null in metrics.jsonl), never NaN.
+    assert [metrics[key] for key in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean")] == [None] * 3
+    nan = {key: value for key, value in metrics.items() if value is not None and math.isnan(value)}
     nan.update({key: values for key, values in round_metrics.items() if any(math.isnan(v) for v in values)})
     assert not nan, nan
+    record = step_record(1, {key: [value] for key, value in metrics.items()})
+    assert record["entropy"] is None and json.loads(json.dumps(record)) == record  # valid JSON, no NaN
 
 
 # ---------- 7. optimizer, warm-up, clipping ----------
