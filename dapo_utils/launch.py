@@ -6,9 +6,10 @@ several) what must be one choice for the whole job is rank 0's, and every rank f
 the checkpoint to resume, the output folder's lock and its preparation; a refusal ends every rank.
 
 However the command ends, it ends in one line (--debug or DAPO_DEBUG=1: the traceback instead): a refused setting,
-a diverged run, a full disk or a user's reward function that fails (with the checkpoint to continue from), and
-Ctrl-C, SIGTERM or SIGHUP before training (exit status 128 + the signal's number, the lock released). The project's
-warnings print as one line each (notices.py).
+a diverged run, a full disk or a user's reward function that fails (with the checkpoint to continue from, or the
+command that starts the run again), a torchrun worker that died (a line from each rank left), and Ctrl-C, SIGTERM
+or SIGHUP before training (exit status 128 + the signal's number, the lock released). The project's warnings print
+as one line each (notices.py).
 """
 
 import contextlib
