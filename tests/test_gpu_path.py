@@ -366,6 +366,8 @@ def test_ddp_timeout_reaches_init_process_group(make_trainer, monkeypatch):
     monkeypatch.setattr(distributed.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(distributed.atexit, "register", lambda handler: None)
+    monkeypatch.setattr(distributed.dist, "all_gather_object", lambda gathered, mine: gathered.__setitem__(0, mine))
+    monkeypatch.setattr(distributed, "PROCESSES", [])  # setup's (host, PID) of each rank, this test's alone
     assert distributed.setup("cpu", 0, train.DapoArguments.ddp_timeout).size == 2
     assert seen == [("gloo", datetime.timedelta(seconds=1800))]
     monkeypatch.setattr(train.distributed, "setup", lambda device, timeout: seen.append(timeout) or distributed.World())
