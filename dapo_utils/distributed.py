@@ -34,6 +34,7 @@ import datetime
 import os
 import socket
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -49,6 +50,9 @@ PROCESSES = []
 # What a collective raises when its connection to another rank breaks: gloo's words (the peer's process ended and
 # its sockets closed), NCCL's ("remote process exited or there was a network error")
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
+# Seconds a rank waits for the process of a rank that closed its connections to end: one ending in an error of
+# its own (a reward function's, say) closes them at its exit, a few milliseconds before it has ended
+EXIT_WAIT = 1.0
 
 
 def setup(device="cpu", num_threads=0, timeout=1800):
@@ -109,20 +113,32 @@ def peer_lost(error):
 
 
 def peer_lost_line(advice):
-    """The line this rank ends with once another rank's process has gone: which rank (one whose process on this
-    host has ended; one on another node goes unnamed) and what comes next: torchrun starts the job again while its
-    --max-restarts allow, else `advice` (resume_advice: the command that continues)."""
-    rank, host = dist.get_rank(), socket.gethostname()
-    gone = [str(r) for r, (on, pid) in enumerate(PROCESSES) if r != rank and on == host and process_ended(pid)]
-    if not gone:
-        who = "another rank is gone"
-    elif len(gone) == 1:
+    """The line this rank ends with once another rank's process has gone: which rank (those whose process on this
+    host has ended; with two ranks, the other; else unnamed) and what comes next: torchrun starts the job again
+    while its --max-restarts allow, else `advice` (resume_advice: the command that continues)."""
+    rank = dist.get_rank()
+    gone = [str(r) for r in ended_ranks(rank)]
+    if len(gone) == 1:
         who = f"rank {gone[0]} is gone (its process ended)"
-    else:
+    elif gone:
         who = f"ranks {', '.join(gone)} are gone (their processes ended)"
+    elif len(PROCESSES) == 2:  # the one other rank: on another node, or still exiting
+        who = f"rank {1 - rank} is gone (its connection closed)"
+    else:
+        who = "another rank is gone"
     restarts, done = (int(os.environ.get(f"TORCHELASTIC_{key}", "0")) for key in ("MAX_RESTARTS", "RESTART_COUNT"))
     then = f"torchrun starts the job again (restart {done + 1} of {restarts})" if done < restarts else advice
     return f"rank {rank}: {who}; {then}"
+
+
+def ended_ranks(rank):
+    """The ranks but `rank` whose process on this host has ended, once one has or EXIT_WAIT seconds have passed."""
+    host, deadline = socket.gethostname(), time.monotonic() + EXIT_WAIT
+    while True:
+        gone = [r for r, (on, pid) in enumerate(PROCESSES) if r != rank and on == host and process_ended(pid)]
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.01)
 
 
 def process_ended(pid):

@@ -1,7 +1,7 @@
 """How a run ends when something outside its step goes wrong (issue 46, item 6), each in one line that names what
 happened and what comes next: a reward function that hangs under the default settings; a run stopped before its
-first checkpoint, whose advice is a command that then runs; a worker of a torchrun job that is killed, seen from
-the rank that is left."""
+first checkpoint, whose advice is a command that then runs; a worker of a torchrun job that is killed, or whose
+reward function hangs, seen from the rank that is left."""
 
 import errno
 import glob
@@ -31,6 +31,13 @@ def hangs(prompts, responses, answers):
     20 s instead of holding the test."""
     time.sleep(20)
     raise AssertionError("not stopped")
+
+
+def stderr_lines(pattern):
+    """The lines of the one stderr file torchrun's --log-dir holds at pattern, without progress bars."""
+    (path,) = glob.glob(pattern)
+    with open(path) as f:
+        return [line for line in f.read().splitlines() if line.strip() and not line.startswith(PROGRESS)]
 
 
 @pytest.fixture
@@ -104,16 +111,43 @@ def test_a_killed_worker_is_one_line_on_the_rank_left_and_the_restart_ends_the_r
     os.kill(wait_for(workers, process, tmp_path / "log")[0], signal.SIGKILL)
     status, output = finish(process, tmp_path / "log")
     assert status == 0, output[-4000:]
-    (stderr,) = glob.glob(f"{logs}/*/attempt_0/1/stderr.log")  # rank 1 of the first attempt
-    with open(stderr) as f:
-        lines = [line for line in f.read().splitlines() if line.strip() and not line.startswith(PROGRESS)]
+    lines = stderr_lines(f"{logs}/*/attempt_0/1/stderr.log")  # rank 1 of the first attempt
     assert lines == ["rank 1: rank 0 is gone (its process ended); torchrun starts the job again (restart 1 of 1)"]
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, 9))
 
 
+def slow_on_rank_1(prompts, responses, answers):
+    """A reward function that hangs on rank 1 alone (found as test_ends:slow_on_rank_1, tests/ on PYTHONPATH)."""
+    if os.environ.get("RANK") == "1":
+        time.sleep(60)
+    return [0.0] * len(responses)
+
+
+def test_a_reward_that_hangs_on_one_rank_is_named_there_and_the_other_rank_says_it_is_gone(world, tmp_path):
+    """Under torchrun the hung rank stops at reward_timeout (its trial call, before training) and names the function;
+    rank 0, whose collective loses it, ends in one line too: rank 1 gone, or torchrun's SIGTERM while starting."""
+    out, logs = tmp_path / "run", tmp_path / "ranks"
+    command = torchrun("--standalone", "--nproc_per_node=2", f"--log-dir={logs}", "--redirects=2", "train.py")
+    argv = [*train_args(world, out), "--reward_funcs=test_ends:slow_on_rank_1", "--reward_timeout=2"]
+    tests = os.path.dirname(os.path.abspath(__file__))
+    status, _ = finish(start([*command, *argv], tmp_path / "log", {"PYTHONPATH": tests}), tmp_path / "log")
+    first, second = (stderr_lines(f"{logs}/*/attempt_0/{rank}/stderr.log") for rank in (0, 1))
+    again = f"start the run again with torchrun --nproc_per_node=2 train.py {shlex.join(argv)}"
+    assert status != 0 and second == [
+        "error: reward function slow_on_rank_1 ran past reward_timeout=2.0 s on 2 responses: make it faster, or raise "
+        f"reward_timeout (0 = no limit); there is no checkpoint to resume: fix it, then {again}"
+    ]
+    gone = f"rank 0: rank 1 is gone (its process ended); there is no checkpoint to resume: {again}"
+    assert len(first) == 1 and first[0] in (
+        gone,
+        "stopped by SIGTERM while starting: nothing was trained; run the same command again",
+    )
+
+
 def test_the_dead_peer_line_names_the_ranks_whose_process_ended_and_the_command_once_restarts_are_spent(monkeypatch):
     """Rank 1 of 4: rank 0's process is a zombie torchrun has not reaped yet, rank 2's is reaped, rank 3 runs on
-    another node (unnamed). With --max-restarts spent, the line ends in the command that continues."""
+    another node (unnamed). With --max-restarts spent, the line ends in the command that continues. Of two ranks,
+    the other is named even when its process has not ended here (another node, or still exiting)."""
     zombie, reaped = (subprocess.Popen([sys.executable, "-c", ""]) for _ in range(2))
     os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # ended, not reaped
     reaped.wait()
@@ -126,12 +160,13 @@ def test_the_dead_peer_line_names_the_ranks_whose_process_ended_and_the_command_
     advice = "the newest checkpoint is checkpoint_2 (step 2): continue with torchrun --nproc_per_node=4 train.py ..."
     assert distributed.peer_lost_line(advice) == f"rank 1: ranks 0, 2 are gone (their processes ended); {advice}"
     zombie.wait()
-    monkeypatch.setattr(distributed, "PROCESSES", processes[1:2] + processes[3:])  # rank 1 of 2: the other elsewhere
+    monkeypatch.setattr(distributed, "EXIT_WAIT", 0.05)  # for processes that never end
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    assert (
-        distributed.peer_lost_line(advice)
-        == "rank 1: another rank is gone; torchrun starts the job again (restart 1 of 1)"
-    )
+    restart = "torchrun starts the job again (restart 1 of 1)"
+    monkeypatch.setattr(distributed, "PROCESSES", processes[1:2] + processes[3:])  # rank 1 of 2: the other elsewhere
+    assert distributed.peer_lost_line(advice) == f"rank 1: rank 0 is gone (its connection closed); {restart}"
+    monkeypatch.setattr(distributed, "PROCESSES", processes[1:2] + processes[3:] * 2)  # rank 1 of 3: none ended here
+    assert distributed.peer_lost_line(advice) == f"rank 1: another rank is gone; {restart}"
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
     gloo = "[pair.cc:537] Read error [127.0.0.1]:24705: Connection reset by peer. This is typically caused by ..."
