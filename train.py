@@ -160,7 +160,7 @@ class DapoArguments:
     reward_funcs: str = arg(SEED_REWARDS, "reward_func.py's function names, or module:function paths of your own")
     reward_weights: Optional[List[float]] = arg(None, "one weight per reward function; None = all 1.0")
     answer_checker: Checker = arg("number", "compare answers as numbers (seed) or as maths: 'math_verify'")
-    reward_timeout: float = arg(0.0, "seconds a reward call may take, then the run stops; 0 = no limit", at_least=0)
+    reward_timeout: float = arg(600.0, "seconds a reward call may take, then the run stops; 0 = no limit", at_least=0)
     filter_metric: FilterMetric = arg(
         "reward", "skip a group: 'reward' if all totals are equal (seed), 'correctness' Eq. 11, 'none' never"
     )

@@ -624,13 +624,13 @@ def newest_checkpoint(output_dir):
     return next((s for s in steps if not checkpoint_damage(checkpoint_path(output_dir, s), checksums=False)), None)
 
 
-def resume_advice(output_dir, fix="", launcher=None):
+def resume_advice(output_dir, fix, launcher, start):
     """After a run stopped: the newest checkpoint that resumes and the command that continues from it once `fix`
-    (e.g. "free space") is done, or that there is none."""
+    (e.g. "free space") is done, or that there is none and `start`, the command that starts the run again."""
     then, newest = f"{fix}, then " if fix else "", newest_checkpoint(output_dir)
     if newest is None:
-        return f"there is no checkpoint to resume: {then}start the run again"
-    command = f"{launcher or run_command()} --resume={checkpoint_path(output_dir, newest)}"
+        return f"there is no checkpoint to resume: {then}start the run again with {start}"
+    command = f"{launcher} --resume={checkpoint_path(output_dir, newest)}"
     return f"the newest checkpoint is checkpoint_{newest} (step {newest}): {then}continue with {command}"
 
 

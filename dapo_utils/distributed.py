@@ -32,13 +32,24 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import socket
 import sys
+import time
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
 GRAD_BUCKET = 2**24  # gradient elements per all-reduce (64 MB of float32)
+
+# (host, PID) of every rank, in rank order, once the process group has started: which rank's process ended
+PROCESSES = []
+# What a collective raises when its connection to another rank breaks: gloo's words (the peer's process ended and
+# its sockets closed), NCCL's ("remote process exited or there was a network error")
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
+# Seconds a rank waits for the process of a rank that closed its connections to end: one ending in an error of
+# its own (a reward function's, say) closes them at its exit, a few milliseconds before it has ended
+EXIT_WAIT = 1.0
 
 
 def setup(device="cpu", num_threads=0, timeout=1800):
@@ -56,6 +67,8 @@ def setup(device="cpu", num_threads=0, timeout=1800):
         backend, timeout = "nccl" if device.startswith("cuda") else "gloo", datetime.timedelta(seconds=timeout)
         dist.init_process_group(backend, timeout=timeout, **this_attempts_store())
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+        PROCESSES[:] = [None] * dist.get_world_size()
+        dist.all_gather_object(PROCESSES, (socket.gethostname(), os.getpid()))
     return World(dist.get_rank(), dist.get_world_size(), "cuda" if device.startswith("cuda") else "cpu")
 
 
@@ -88,6 +101,53 @@ def end_of_run():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def peer_lost(error):
+    """Whether error is a collective's that lost another rank: its process ended (killed, out of memory)."""
+    lost = isinstance(error, RuntimeError) and any(words in str(error) for words in PEER_LOST)
+    return lost and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def peer_lost_line(advice):
+    """The line this rank ends with once another rank's process has gone: which rank (those whose process on this
+    host has ended; with two ranks, the other; else unnamed) and what comes next: torchrun starts the job again
+    while its --max-restarts allow, else `advice` (resume_advice: the command that continues)."""
+    rank = dist.get_rank()
+    gone = [str(r) for r in ended_ranks(rank)]
+    if len(gone) == 1:
+        who = f"rank {gone[0]} is gone (its process ended)"
+    elif gone:
+        who = f"ranks {', '.join(gone)} are gone (their processes ended)"
+    elif len(PROCESSES) == 2:  # the one other rank: on another node, or still exiting
+        who = f"rank {1 - rank} is gone (its connection closed)"
+    else:
+        who = "another rank is gone"
+    restarts, done = (int(os.environ.get(f"TORCHELASTIC_{key}", "0")) for key in ("MAX_RESTARTS", "RESTART_COUNT"))
+    then = f"torchrun starts the job again (restart {done + 1} of {restarts})" if done < restarts else advice
+    return f"rank {rank}: {who}; {then}"
+
+
+def ended_ranks(rank):
+    """The ranks but `rank` whose process on this host has ended, once one has or EXIT_WAIT seconds have passed."""
+    host, deadline = socket.gethostname(), time.monotonic() + EXIT_WAIT
+    while True:
+        gone = [r for r, (on, pid) in enumerate(PROCESSES) if r != rank and on == host and process_ended(pid)]
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.01)
+
+
+def process_ended(pid):
+    """Whether process pid has ended: gone, or a zombie that its parent (torchrun's agent) has not reaped yet."""
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # its state, after the name
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process, or no /proc (macOS): it exists
+        return False
 
 
 def step_slice(items, index, parts):

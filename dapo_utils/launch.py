@@ -7,9 +7,10 @@ the checkpoint to resume, the output folder's lock and its preparation; a refusa
 the lock before it chooses its checkpoint.
 
 However the command ends, it ends in one line (--debug or DAPO_DEBUG=1: the traceback instead): a refused setting,
-a diverged run, a full disk or a user's reward function that fails (with the checkpoint to continue from), and
-Ctrl-C, SIGTERM or SIGHUP before training (exit status 128 + the signal's number, the lock released). The project's
-warnings print as one line each (notices.py).
+a diverged run, a full disk or a user's reward function that fails (with the checkpoint to continue from, or the
+command that starts the run again), a torchrun worker that died (a line from each rank left), and Ctrl-C, SIGTERM
+or SIGHUP before training (exit status 128 + the signal's number, the lock released). The project's warnings print
+as one line each (notices.py).
 """
 
 import contextlib
@@ -31,7 +32,7 @@ from dapo_utils.notices import one_line_warnings
 from dapo_utils.options import python_command, run_command
 from dapo_utils.record import write_run_arguments
 from dapo_utils.rewards import RewardFunctionError, check_rewards, reward_functions
-from dapo_utils.run_dir import claim_output_dir, hold_output_dir, unshared_folder
+from dapo_utils.run_dir import claim_output_dir, earlier_run, hold_output_dir, unshared_folder
 from dapo_utils.writes import WriteFailed
 
 READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)  # a write refused, not a disk that is full
@@ -112,7 +113,8 @@ def command(cli, given, lock, arguments_class, build_args, build_trainer, run, r
             if world.is_main:
                 write_run_arguments(args, *record)
 
-        trainer = run_to_the_end(args, checkpoint, run, on_start, cli.debug, restart)
+        start = f"{run_command(world.size, args.fsdp, script)} {shlex.join(cli.argv)}"  # this command, relaunched
+        trainer = run_to_the_end(args, checkpoint, run, on_start, cli.debug, restart, start)
     if world.is_main:  # the demo's commands run with this interpreter, activated venv or not
         if cli.demo:
             from dapo_utils.tiny_world import demo_summary
@@ -150,25 +152,41 @@ def prepare_output_dir(args, fresh_demo, fresh, num_reward_funcs, debug):
     return args.model_path, args.data_path
 
 
-def run_to_the_end(args, checkpoint, run, on_start, debug, launcher):
+def run_to_the_end(args, checkpoint, run, on_start, debug, restart, start):
     """run(args, checkpoint, on_start), whose failures end in one line; those that stop a run in its course also
-    name the newest checkpoint and the command (with its launcher) that continues from it once the cause is fixed."""
+    name the newest checkpoint and the command (restart: its interpreter, launcher and mode) that continues from it
+    once the cause is fixed, or, with none, the command that starts the run again (start: this one's)."""
+
+    def advice(fix):  # read once the run has stopped: the checkpoints and logs it left decide the command
+        return resume_advice(args.output_dir, fix, restart, start_again(args, start))
+
     try:
         return run(args, checkpoint, on_start)
     except RewardFunctionError as error:  # the user's reward function: fix it, continue from the newest checkpoint
-        fail(error, debug, resume_advice(args.output_dir, "fix it", launcher))
+        fail(error, debug, advice("fix it"))
     except WriteFailed as error:  # a full disk
         fix = "make it writable" if getattr(error.__cause__, "errno", None) in READ_ONLY else "free space"
-        fail(error, debug, resume_advice(args.output_dir, fix, launcher))
+        fail(error, debug, advice(fix))
     except (ValueError, RunStopped) as error:  # a refused resume, a diverged run (it names its checkpoint)
         fail(error, debug)
     except Interrupted as stop:  # a second Ctrl-C, or one while the final model is written
         if debug or stop.phase == STARTING:
             raise
-        say_once(f"stopped by {stop.name} {stop.phase}; {resume_advice(args.output_dir, '', launcher)}")
+        say_once(f"stopped by {stop.name} {stop.phase}; {advice('')}")
         sys.exit(128 + stop.signum)
     except KeyboardInterrupt:  # train() saved a checkpoint and printed the command that continues from it
         sys.exit(130)
+    except RuntimeError as error:  # torchrun: another rank's process ended; a line from each rank still here
+        if debug or not distributed.peer_lost(error):
+            raise
+        sys.exit(distributed.peer_lost_line(advice("")))
+
+
+def start_again(args, start):
+    """The command that starts a run without a checkpoint again: its own (start), with --overwrite_output_dir=true
+    once it has written logs to output_dir, where a fresh run refuses an earlier run's (run_dir.claim_output_dir)."""
+    clear = earlier_run(args.output_dir) and not args.overwrite_output_dir
+    return f"{start} --overwrite_output_dir=true" if clear else start
 
 
 def fail(error, debug, advice=""):

@@ -282,7 +282,7 @@ class VllmSampler:
         weights are not on the GPU: they are woken for the copy and put back to sleep after it.
         """
         if self.sleep_between_rollouts:
-            self.llm.wake_up(tags=["weights"])
+            self.wake_up(tags=["weights"])
         if self.lora_rank:  # the adapters alone (peft's files), reloaded in place; vLLM keeps the base
             model.save_pretrained(self.adapter_dir)
             self.lora_request = LoRARequest("policy", 1, self.adapter_dir, load_inplace=True)
@@ -363,5 +363,9 @@ class VllmSampler:
         """CUDA with enable_sleep_mode: free vLLM's GPU memory (weights to CPU, KV cache dropped) for training."""
         self.llm.sleep(level=1)
 
-    def wake_up(self):
-        self.llm.wake_up()
+    def wake_up(self, tags=None):
+        """Map vLLM's memory back (tags: those allocations alone), once the trainer's cached blocks are released:
+        torch's caching allocator keeps the blocks the training freed reserved, and vLLM's cuMemMap needs that
+        memory from the driver (TRL empties the cache before it wakes vLLM too)."""
+        torch.cuda.empty_cache()
+        self.llm.wake_up(tags=tags)

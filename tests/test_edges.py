@@ -14,6 +14,7 @@ import importlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -209,8 +210,8 @@ def test_a_final_model_that_does_not_fit_without_a_checkpoint_says_the_weights_a
         f"could not write the final model to {tmp_path}/final_model.tmp ({NO_SPACE}); {tmp_path} keeps its earlier "
         "files; no checkpoint holds this run's weights: they are lost"
     )
-    assert checkpoints.resume_advice(str(tmp_path), "free space") == (
-        "there is no checkpoint to resume: free space, then start the run again"
+    assert checkpoints.resume_advice(str(tmp_path), "free space", "python train.py", "python train.py --x") == (
+        "there is no checkpoint to resume: free space, then start the run again with python train.py --x"
     )
     assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
 
@@ -259,11 +260,12 @@ def test_a_reward_function_that_raises_or_returns_strings_ends_in_one_line(world
     where = f"{tmp_path}/edge_rewards_41.py:7"  # read_config's line, not json's
     boom = f"JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1) ({where})"
     fresh = tmp_path / "fresh"
+    argv = run_args(world, fresh, "--reward_funcs=edge_rewards_41:raise_on_call")
     with pytest.raises(SystemExit) as raised:  # call 1: its trial on two rows, before the model loads
-        main(run_args(world, fresh, "--reward_funcs=edge_rewards_41:raise_on_call"))
+        main(argv)
     assert error_line(raised) == (
         f"error: reward function raise_on_call raised {boom}; there is no checkpoint to resume: fix it, then start "
-        "the run again"
+        f"the run again with {run_command()} {shlex.join(argv)}"
     )
     assert not fresh.exists()  # no lock, no empty folder
     for debug in (["--debug"], []):  # --debug, or DAPO_DEBUG=1: the traceback, the user's error as its cause
@@ -288,11 +290,13 @@ def test_a_reward_function_that_raises_or_returns_strings_ends_in_one_line(world
         f"error: reward function raise_on_call raised {boom}; the newest checkpoint is checkpoint_2 (step 2): fix it, "
         f"then continue with {run_command()} --resume={run_copy}/checkpoint_2"
     )
+    argv = run_args(world, fresh, "--reward_funcs=edge_rewards_41:says_high")
     with pytest.raises(SystemExit) as raised:
-        main(run_args(world, fresh, "--reward_funcs=edge_rewards_41:says_high"))
+        main(argv)
     assert error_line(raised) == (
         "error: reward function says_high returned 'high' (str) for response 0 of 2: return one number per response "
-        "(None: no opinion); there is no checkpoint to resume: fix it, then start the run again"
+        f"(None: no opinion); there is no checkpoint to resume: fix it, then start the run again with {run_command()} "
+        f"{shlex.join(argv)}"
     )
 
 

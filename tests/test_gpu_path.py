@@ -336,6 +336,25 @@ def test_the_trainers_sleep_mode_calls_keep_vllm_032s_rules(make_trainer, monkey
     assert len(set(policy)) == 3  # the weights of steps 0, 1, 2
 
 
+def test_vllm_wakes_only_after_the_trainers_cached_blocks_are_released(make_trainer, monkeypatch):
+    """On CUDA torch's caching allocator keeps the blocks training freed; vLLM's wake_up maps its memory from the
+    driver, so torch.cuda.empty_cache() comes first, before every wake_up (TRL's order). Here both are recorded:
+    in 2 steps: the evaluation at step 0 and step 1's rollout sample; step 2's syncs step 1's weights, samples."""
+    calls = []
+
+    class RecordingLLM(SleepRulesLLM):
+        def wake_up(self, tags=None):
+            calls.append(("wake_up", tags))
+            return super().wake_up(tags)
+
+    monkeypatch.setattr(vllm_sampler.vllm, "LLM", RecordingLLM)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache", None)))
+    settings = dict(use_vllm=True, vllm_enable_sleep_mode=True, vllm_logprob_diff_threshold=0, filter_metric="none")
+    make_trainer(max_steps=2, eval_steps=100, **settings).train()
+    wakes = [("wake_up", None)] * 2 + [("wake_up", ["weights"]), ("wake_up", None)]
+    assert calls == [call for wake in wakes for call in (("empty_cache", None), wake)]
+
+
 # ---------- torchrun: the collectives' timeout ----------
 def test_ddp_timeout_reaches_init_process_group(make_trainer, monkeypatch):
     """NCCL's own 10 minutes can run out while rank 0 alone writes a 1.5B checkpoint; Hugging Face's 1800 s."""
@@ -347,6 +366,8 @@ def test_ddp_timeout_reaches_init_process_group(make_trainer, monkeypatch):
     monkeypatch.setattr(distributed.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(distributed.atexit, "register", lambda handler: None)
+    monkeypatch.setattr(distributed.dist, "all_gather_object", lambda gathered, mine: gathered.__setitem__(0, mine))
+    monkeypatch.setattr(distributed, "PROCESSES", [])  # setup's (host, PID) of each rank, this test's alone
     assert distributed.setup("cpu", 0, train.DapoArguments.ddp_timeout).size == 2
     assert seen == [("gloo", datetime.timedelta(seconds=1800))]
     monkeypatch.setattr(train.distributed, "setup", lambda device, timeout: seen.append(timeout) or distributed.World())

@@ -114,6 +114,27 @@ def test_log_probs_entropy_loss_and_every_gradient_equal_the_logits_path(world, 
     assert ("lm_head.weight" in grads_a) != tied  # untied: its own gradient, compared too
 
 
+def test_each_response_token_gets_the_log_prob_the_token_before_it_predicts(make_trainer):
+    """Independent of the layouts (padded_sequences, pack_sequences): each sequence alone, unpadded, through a plain
+    forward pass; the log-prob of response token j is log softmax(logits at the position before it)[token j]. Two
+    rows of other prompt and response lengths, left- and right-padded by hand, in both layouts."""
+    prompts, responses = [[5, 17, 9], [40, 8, 33, 21, 2]], [[7, 60, 13, 88], [101, 4]]
+    P, T = max(map(len, prompts)), max(map(len, responses))
+    for padding_free in (False, True):
+        trainer = make_trainer(padding_free=padding_free)
+        pad, model = trainer.tokenizer.pad_token_id, trainer.model
+        rows = [(P - len(p), p + r, T - len(r)) for p, r in zip(prompts, responses)]  # (left pad, tokens, right)
+        ids = torch.tensor([[pad] * left + tokens + [pad] * right for left, tokens, right in rows])
+        mask = torch.tensor([[0] * left + [1] * len(tokens) + [0] * right for left, tokens, right in rows])
+        got = trainer.get_action_log_probs(model, ids, mask, T).detach()
+        for row, (prompt, response) in enumerate(zip(prompts, responses)):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + response])).logits[0].float()  # [P_i + T_i, V]
+            log_probs = logits.log_softmax(-1)
+            expected = [log_probs[len(prompt) + j - 1, token] for j, token in enumerate(response)]
+            assert torch.allclose(got[row, : len(response)], torch.stack(expected), atol=1e-5), (padding_free, row)
+
+
 def test_three_steps_give_the_same_weights_as_the_logits_path(make_trainer, monkeypatch):
     monkeypatch.setattr(kernels, "POSITIONS_PER_BLOCK", 16)
     settings = dict(reward_funcs=[varied], max_steps=3, batch_size=2, gradient_accumulation_steps=2, eval_steps=1000)

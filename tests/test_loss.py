@@ -107,3 +107,18 @@ def test_pure_helpers():
     assert keep_groups(adv, None, "reward").tolist() == [True, False]
     seed_loss = aggregate_loss(per_token, MASK, "seed", num_generations=2)
     assert seed_loss.item() == pytest.approx(HAND_LOSS, abs=1e-6)
+
+
+def test_clip_low_and_clip_high_bound_their_own_side_under_uneven_advantages(make_trainer):
+    """At advantages of +1 and -1 the two clip bounds can trade places unseen (-1.28 + 0.8 = -1.2 + 0.72); at +2 and
+    -0.5 they cannot. Per token, -min(r*A, clip(r, 0.8, 1.28)*A):
+      A=+2:   r=1.5 -> -2.56 (clip-high)   r=1.1 -> -2.2   r=0.5 -> -1.0 (A>0: unclipped)
+      A=-0.5: r=0.5 -> +0.4 (clip-low)     r=1.5 -> +0.75 (A<0: unclipped)
+    Swapped (clip(r, 0.72, 1.2)): -2.4 and +0.36, a loss of -0.898 instead of -0.922."""
+    trainer = make_trainer(num_generations=2, num_iterations=2)
+    log_probs = RATIOS.log().requires_grad_()
+    stub_log_probs(trainer, log_probs)
+    inputs = inputs_for(log_probs)
+    inputs.advantages = torch.tensor([2.0, -0.5])
+    loss = trainer.compute_loss(trainer.model, inputs)
+    assert loss.item() == pytest.approx((-2.56 - 2.2 - 1.0 + 0.4 + 0.75) / 5, abs=1e-6)

@@ -4,6 +4,7 @@ real loader; every refusal is one line, before a model loads."""
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from dapo_utils.answers import is_correct
 from dapo_utils.curves import read_jsonl, read_step_log
 from dapo_utils.evaluation import problem_record
 from dapo_utils.rewards import perfect_response, reward_functions
+from dapo_utils.options import run_command
 from test_docs import ROOT, shell_scripts
 from train import GSM8KDataset, build_args, main
 
@@ -230,10 +232,11 @@ def test_each_refusal_is_one_line_before_a_model_loads(world, tmp_path, own_rewa
     for flag, line in lines.items():
         weights = ["--reward_weights=1"] if flag.startswith("--reward_funcs=own") else []
         assert line in refusal(run_args(world, next(out), flag, *weights)), flag
-    slow = refusal(run_args(world, next(out), "--reward_funcs=own_rewards_32:slow", "--reward_timeout=0.3"))
-    assert slow == (
+    argv = run_args(world, next(out), "--reward_funcs=own_rewards_32:slow", "--reward_timeout=0.3")
+    assert refusal(argv) == (
         "error: reward function slow ran past reward_timeout=0.3 s on 2 responses: make it faster, or raise "
-        "reward_timeout (0 = no limit); there is no checkpoint to resume: fix it, then start the run again"
+        "reward_timeout (0 = no limit); there is no checkpoint to resume: fix it, then start the run again with "
+        f"{run_command()} {shlex.join(argv)}"
     )
 
 
