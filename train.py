@@ -785,9 +785,9 @@ class DapoTrainer:
             except EvaluationStopped:  # on every rank: they asked together
                 stop_if_requested(self, metrics)
         self.state.evaluation_pending = False
-        if step:
+        if metrics:  # a step's (none before training)
             self.log_step(metrics)
-        saved = save_run_checkpoint(self) if step and step % self.args.save_steps == 0 else None
+        saved = save_run_checkpoint(self) if metrics and step % self.args.save_steps == 0 else None
         stop_if_requested(self, {}, saved)  # a stop during the evaluation's last batch or the write: that checkpoint
 
     # ---- 4.7 logging ----

@@ -170,8 +170,8 @@ def test_one_node_writes_once_holds_the_folder_and_says_how_to_resume_with_one_p
         status != 0
         and (
             f"error: cannot resume {out}/checkpoint_8: its steps were 2 micro-batches on each of 2 process(es), this "
-            "run's 2 on each of 1: resume with --gradient_accumulation_steps=4 or with torchrun --nproc_per_node=2 "
-            "train.py --gradient_accumulation_steps=2"
+            f"run's 2 on each of 1: resume with --gradient_accumulation_steps=4 or with {options.run_command(2)} "
+            "--gradient_accumulation_steps=2"
         )
         in refused
     )

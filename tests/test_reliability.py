@@ -107,7 +107,9 @@ def test_a_refused_resume_cuts_no_log(world, tmp_path):
     assert before == {name: (out / name).read_text() for name in before}
 
 
-def test_ctrl_c_during_an_evaluation_keeps_its_accuracy_and_samples(make_trainer, tmp_path):
+def test_ctrl_c_as_an_evaluation_starts_stops_it_and_the_resume_evaluates_that_step_first(make_trainer, tmp_path):
+    """The evaluation of step 2 stops before its first batch: nothing of it is written, the checkpoint says it is
+    due, and the resumed run writes it, then steps 3 and 4 (test_stops.py: the same against an uninterrupted run)."""
     trainer = make_trainer(max_steps=4, eval_steps=2, save_steps=100)
     evaluate = trainer.evaluate
 
@@ -120,10 +122,14 @@ def test_ctrl_c_during_an_evaluation_keeps_its_accuracy_and_samples(make_trainer
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     out = trainer.args.output_dir
-    with open(os.path.join(out, "accuracy_losses.txt")) as f:
-        assert [line.split(",")[0] for line in f.read().split()] == ["0", "2"]
-    assert [s["step"] for s in read_jsonl(os.path.join(out, "samples.jsonl"))] == [0] * 4 + [2] * 4
-    assert os.path.exists(os.path.join(out, "checkpoint_2", "trainer_state.pt"))
+    evaluated = lambda: [line.split(",")[0] for line in open(os.path.join(out, "accuracy_losses.txt")).read().split()]  # noqa: E731
+    assert evaluated() == ["0"] and [s["step"] for s in read_jsonl(os.path.join(out, "samples.jsonl"))] == [0] * 4
+    loop = torch.load(os.path.join(out, "checkpoint_2", "trainer_state.pt"), weights_only=True)["loop"]
+    assert loop["update_steps"] == 2 and loop["evaluation_pending"] and loop["metrics"]["loss"]
+    main(["--resume=latest", f"--output_dir={out}"])
+    assert evaluated() == ["0", "2", "4"]
+    assert [s["step"] for s in read_jsonl(os.path.join(out, "samples.jsonl"))] == [0] * 4 + [2] * 4 + [4] * 4
+    assert [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3, 4]
 
 
 # ---------- rewards ----------
