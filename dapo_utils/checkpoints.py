@@ -694,8 +694,9 @@ def say(line):
 
 @contextlib.contextmanager
 def deferred_interrupts(trainer):
-    """First Ctrl-C, SIGTERM or SIGHUP: the trainer finishes its optimizer step (or its sampling round), saves a
-    checkpoint and stops (it reads trainer.stop_requested at each step end and between sampling rounds).
+    """First Ctrl-C, SIGTERM or SIGHUP: the trainer finishes its optimizer step (or its sampling round, its
+    checkpoint write, its evaluation's batch), saves the checkpoint of its last finished step and stops (it reads
+    trainer.stop_requested at each step end, between sampling rounds and before each evaluation batch).
     A second Ctrl-C: stop at once (Interrupted, phase AT_ONCE). A second SIGTERM or SIGHUP changes nothing: a
     scheduler's comes twice (SLURM signals every process of the job, and torchrun passes its own on to its
     workers), and its SIGKILL ends the grace."""
@@ -707,7 +708,7 @@ def deferred_interrupts(trainer):
             return
         trainer.stop_requested = True
         name = signal_name(signum)
-        say(f"{name}: stopping after this step with a checkpoint (Ctrl-C again: stop now, no checkpoint)")
+        say(f"{name}: stopping with a checkpoint of the last finished step (Ctrl-C again: stop now, no checkpoint)")
 
     with stop_signal_handler(request_stop):
         yield

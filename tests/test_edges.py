@@ -352,7 +352,10 @@ def test_sighup_stops_with_a_checkpoint_and_a_second_ctrl_c_names_the_newest(run
         main(["--resume=latest", f"--output_dir={out}", "--max_steps=5"])
     printed = capsys.readouterr().out
     assert raised.value.code == 130 and steps_in(out) == [1, 2, 3] and leftovers(out) == []
-    assert "SIGHUP: stopping after this step with a checkpoint (Ctrl-C again: stop now, no checkpoint)" in printed
+    assert (
+        "SIGHUP: stopping with a checkpoint of the last finished step (Ctrl-C again: stop now, no checkpoint)"
+        in printed
+    )
     assert f"stopped; continue with: {run_command()} --resume={out}/checkpoint_3" in printed
 
     def two_ctrl_c_in_step_4(self, *args, **kwargs):

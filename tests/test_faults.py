@@ -70,7 +70,9 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_latest_equals_an_uninterrupt
             main(run_args(world, stopped, "--max_steps=3", "--save_steps=100"))
     out = capsys.readouterr().out
     assert raised.value.code == 130 and steps_in(stopped) == [1, 2]  # step 2 finished
-    assert "SIGTERM: stopping after this step with a checkpoint (Ctrl-C again: stop now, no checkpoint)" in out
+    assert (
+        "SIGTERM: stopping with a checkpoint of the last finished step (Ctrl-C again: stop now, no checkpoint)" in out
+    )
     assert f"stopped; continue with: {run_command()} --resume={stopped}/checkpoint_2" in out
     assert not (stopped / "train.lock").exists()
     host = socket.gethostname()

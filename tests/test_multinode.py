@@ -274,7 +274,7 @@ def test_torchrun_restarts_after_a_workers_sigkill_and_sigterm_and_ends_as_the_u
     status, output = finish(process, log)
     assert status == 0, output[-4000:]
     assert f"taking over {out}/train.lock, the lock of PID {first[0]} on host {socket.gethostname()}" in output
-    assert "SIGTERM: stopping after this step with a checkpoint" in output
+    assert "SIGTERM: stopping with a checkpoint of the last finished step" in output
     assert output.count("stopped; continue with:") == 1  # rank 0's line for the job
     stopped = re.search(
         r"stopped; continue with: \S+ -m torch.distributed.run --nproc_per_node=2 \S+ --resume=(\S+)", output
@@ -317,7 +317,9 @@ def test_the_slurm_script_survives_a_preemption_and_ends_as_the_uninterrupted_ru
     for pid in [job.pid, agent, *workers.values()]:  # the batch shell, torchrun, each worker
         os.kill(pid, signal.SIGTERM)
     status, output = finish(job, first)
-    assert status != 0 and output.count("SIGTERM: stopping after this step with a checkpoint") == 2  # a rank each
+    assert (
+        status != 0 and output.count("SIGTERM: stopping with a checkpoint of the last finished step") == 2
+    )  # a rank each
     assert (
         len(
             re.findall(r"stopped; continue with: \S+ -m torch.distributed.run --nproc_per_node=2 \S+ --resume=", output)
