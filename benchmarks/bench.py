@@ -356,14 +356,14 @@ def run_config(opts, world, name):
             "bench/processed_tokens",
             "perf/flops",
         ]
-        result = {key: sum(r.get(key, 0.0) for r in measured) / len(measured) for key in keys}
+        result = {key: sum(r.get(key) or 0.0 for r in measured) / len(measured) for key in keys}  # null: none
         result["peak_flops"] = trainer.peak_flops  # flops.peak_flops: the device's, for the MFU column
         result["bench/max_pass_tokens"] = max(r["bench/max_pass_tokens"] for r in measured)
         result["widths"] = sorted({tuple(w) for r in measured for w in r["bench/widths"]})
         result["peak_bytes"] = max(peak_memory(cuda), peaks[0])
         result["peak_delta_bytes"] = result["peak_bytes"] - base[0]
         result["build_seconds"] = build_seconds
-        gaps = [r["vllm/logprob_diff_max"] for r in measured if "vllm/logprob_diff_max" in r]
+        gaps = [r["vllm/logprob_diff_max"] for r in measured if r.get("vllm/logprob_diff_max") is not None]
         result["vllm_logprob_diff_max"] = max(gaps) if gaps else None
         if cuda:  # the device's use by this process beyond the allocator's peak (CUDA context, cuBLAS, NCCL)
             free, total = torch.cuda.mem_get_info()

@@ -300,7 +300,7 @@ def sleep_check(opts):
     trainer.train_step, trainer.vllm.generate = measured_train_step, measured_generate
     trainer.train()
     freed = (min(free["training"]) - max(free["sampling"])) / 2**30
-    gap = max(r.get("vllm/logprob_diff_max", 0.0) for r in trainer.history)
+    gap = max(r.get("vllm/logprob_diff_max") or 0.0 for r in trainer.history)  # null: no fresh token
     print(
         f"  free GPU memory: {min(free['training']) / 2**30:.2f} GiB or more while training, "
         f"{max(free['sampling']) / 2**30:.2f} GiB or less while vLLM generates; largest gap per token {gap:.2e}"
