@@ -113,7 +113,8 @@ def evaluate_model(trainer, num_samples, batch_size, num_examples=0):
     torchrun each rank answers every N-th problem and all ranks get every record. A stop requested before a batch
     (trainer.stop_requested, on any rank) raises EvaluationStopped."""
     world, dataset, k = trainer.world, trainer.eval_dataset, trainer.args.eval_num_generations
-    rng = torch.get_rng_state(), torch.cuda.get_rng_state() if world.device.startswith("cuda") else None
+    device = trainer.args.device  # its generator draws the samples (checkpoints.save_checkpoint saves the same)
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.startswith("cuda") else None
     if 0 < num_samples < len(dataset):  # the seed's random subset, the same on every rank
         indices = world.from_rank_0(torch.randperm(len(dataset))[:num_samples].tolist())
         dataset = torch.utils.data.Subset(dataset, indices)
@@ -130,7 +131,7 @@ def evaluate_model(trainer, num_samples, batch_size, num_examples=0):
             getattr(batches, "close", lambda: None)()  # --fsdp: every rank re-shards here, together
             torch.set_rng_state(rng[0])
             if rng[1] is not None:
-                torch.cuda.set_rng_state(rng[1])
+                torch.cuda.set_rng_state(rng[1], device)
             raise EvaluationStopped
         responses, lengths, truncated = trainer.respond(batch["prompt"], k)  # k rows per problem
         for i, (question, answer) in enumerate(zip(batch["prompt"], batch["answer"])):
