@@ -105,7 +105,8 @@ def command(cli, given, lock, arguments_class, build_args, build_trainer, run, r
         args.model_path, args.data_path = world.on_rank_0(lambda: prepare_output_dir(*ready, cli.debug))
         script = inspect.getsourcefile(run)  # train.py
         again = python_command(script)  # how this folder's shell runs train.py again
-        restart = run_command(world.size, args.fsdp, script) + " --demo" * cli.demo  # this run's launcher and mode
+        launcher = run_command(world.size, args.fsdp, script)  # this interpreter, with torch's launcher if it ran
+        restart, start = launcher + " --demo" * cli.demo, f"{launcher} {shlex.join(cli.argv)}"  # resume; relaunch
         record = f"{again} {shlex.join(cli.argv)}", reward_funcs, os.path.dirname(script)
 
         def on_start(trainer):  # loaded, before it samples: the command its stop line prints; dapo_args.json
@@ -113,7 +114,6 @@ def command(cli, given, lock, arguments_class, build_args, build_trainer, run, r
             if world.is_main:
                 write_run_arguments(args, *record)
 
-        start = f"{run_command(world.size, args.fsdp, script)} {shlex.join(cli.argv)}"  # this command, relaunched
         trainer = run_to_the_end(args, checkpoint, run, on_start, cli.debug, restart, start)
     if world.is_main:  # the demo's commands run with this interpreter, activated venv or not
         if cli.demo:
