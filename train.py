@@ -32,7 +32,6 @@ if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # read from
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
 
 import reward_func  # the seed's four reward functions; --reward_funcs names them
 from dapo_utils import distributed, launch
@@ -44,8 +43,8 @@ from dapo_utils.data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_s
 from dapo_utils.evaluation import LOGGED_EXAMPLES, EvaluationStopped, evaluate_model, logged_metrics
 from dapo_utils.flops import log_prob_flops, model_shape, pass_flops, peak_flops, perf_metrics, sampling_flops
 from dapo_utils.guards import check_data_ran_out, check_finite, check_rounds, check_rows, check_weights
-from dapo_utils.kernels import bf16_autocast, generate_sharing_prompts, output_layer_scores, reuse_freed_memory
-from dapo_utils.kernels import sampling_processors
+from dapo_utils.decoding import Sampling, sampler
+from dapo_utils.kernels import bf16_autocast, output_layer_scores, reuse_freed_memory
 from dapo_utils.notices import warn
 from dapo_utils.options import run_command
 from dapo_utils.packing import join_batches, micro_batch_groups, numbered, pack_sequences, pad_and_cat
@@ -190,6 +189,7 @@ class DapoArguments:
     num_threads: int = arg(0, "torch's CPU threads; 0 = torch's default, one per core (the demo: 1)", at_least=0)
     padding_free: bool = arg(False, "log-prob and loss passes on real tokens only, packed in one row (verl)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30%% slower")
+    cuda_graphs: bool = arg(True, "on CUDA, decode over a static KV cache replayed as CUDA graphs (not with fsdp)")
     # --- vLLM ---
     use_vllm: bool = arg(False, "sample with vLLM in this process (pip install -r requirements/vllm.txt; TRL's name)")
     vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (TRL's default)")
@@ -425,13 +425,9 @@ class DapoTrainer:
         self.optimizer = Optimizer(trainable, lr=args.lr, weight_decay=args.weight_decay)
         warmup_factor = lambda step: min(1.0, (step + 1) / max(args.warmup_steps, 1))  # noqa: E731
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor)
-        # Sampling is explicit: a model's own generation config (greedy, repetition penalty, ...) must not
-        # change the behaviour policy. generate runs greedy over SampleKeptTokens, which draws.
-        self.logits_processor = sampling_processors(args.temperature, args.top_k, args.top_p, args.device)
-        self.generation_config = GenerationConfig(
-            do_sample=False, max_new_tokens=args.max_generate_length, eos_token_id=self.eos_token_ids,
-            pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.model.generation_config.bos_token_id,
-        )  # fmt: skip
+        # decoding.py: our decode loop (CPU), or generate replaying CUDA graphs; neither reads the model's own
+        # generation config (greedy, repetition penalty, ...), which must not change the behaviour policy.
+        self.decode = sampler(args.device, args.cuda_graphs, args.fsdp)
 
         self.vllm = None  # use_vllm: vLLM samples in this process; the policy learns
         if args.use_vllm:
@@ -473,20 +469,15 @@ class DapoTrainer:
 
     @torch.no_grad()
     def sample(self, input_ids, attention_mask):
-        """One generate call with this trainer's sampling settings. Returns what it drew: ids [N, P+T'], T' <=
-        max_generate_length, and vLLM's log-probs of the drawn tokens [N, T'] (None without vLLM)."""
+        """One sampling call with this trainer's settings (decoding.py; temperature 0: greedy). Returns what it
+        drew: ids [N, P+T'], T' <= max_generate_length, and vLLM's log-probs of the drawn tokens [N, T'] (None
+        without vLLM)."""
         if self.vllm is not None:
             return self.sample_with_vllm(input_ids, attention_mask)
-        saved_config, self.model.generation_config = self.model.generation_config, self.generation_config
-        try:
-            with self.autocast(), self.world.unsharded(self.model):  # --fsdp: gathered for the whole call
-                ids = generate_sharing_prompts(  # the G copies of a prompt share its prompt pass
-                    self.model, input_ids, attention_mask, generation_config=self.generation_config,
-                    logits_processor=self.logits_processor, synced_gpus=False,  # unsharded: no per-token sync
-                )  # fmt: skip
-                return ids, None
-        finally:
-            self.model.generation_config = saved_config
+        a, pad = self.args, self.tokenizer.pad_token_id
+        settings = Sampling(a.max_generate_length, self.eos_token_ids, pad, a.temperature, a.top_k, a.top_p)
+        with self.autocast(), self.world.unsharded(self.model):  # --fsdp: gathered for the whole call
+            return self.decode(self.model, input_ids, attention_mask, settings), None
 
     def sample_with_vllm(self, input_ids, attention_mask, prompt_indices=None):
         """sample() through vLLM, synced to the policy; prompt_indices [N / G] (a rollout) seed each response."""

@@ -258,28 +258,23 @@ def force_eos_at(lengths, prompt_length, eos):
         only_eos[:, eos] = 0.0
         return torch.where(ending, only_eos, scores)
 
-    force_eos.forces_eos = True
     return force_eos
 
 
 def end_responses_at(trainer, lengths, seed):
     """--lengths: every response ends (EOS) after a drawn length, as real answers do, whatever the random model
     samples."""
-    from transformers import LogitsProcessorList
-
-    draw, eos, sample = (
+    draw, eos, decode = (
         length_draws(lengths, seed, trainer.args.num_generations),
         trainer.eos_token_ids[0],
-        trainer.sample,
+        trainer.decode,
     )
 
-    def sample_ending(input_ids, attention_mask):
-        processors = [p for p in trainer.logits_processor or [] if not hasattr(p, "forces_eos")]
+    def decode_ending(model, input_ids, attention_mask, settings):
         ending = force_eos_at(draw(input_ids.size(0)), input_ids.size(1), eos)
-        trainer.logits_processor = LogitsProcessorList(processors + [ending])
-        return sample(input_ids, attention_mask)
+        return decode(model, input_ids, attention_mask, settings, logits_processor=ending)
 
-    trainer.sample = sample_ending
+    trainer.decode = decode_ending
 
 
 def synchronize(device):
@@ -303,8 +298,8 @@ def run_config(opts, world, name):
         peaks = [0, 0]  # CUDA: the largest allocated and reserved peaks of the measured steps (log_step resets them)
         tokens = [0, 0, 0]  # real and processed tokens of the training passes since the last step, most in one pass
 
-        def set_response_budget(tokens):  # generate reads generation_config, vLLM args.max_generate_length
-            trainer.generation_config.max_new_tokens = trainer.args.max_generate_length = tokens
+        def set_response_budget(tokens):  # what sample() and vLLM read
+            trainer.args.max_generate_length = tokens
 
         def start_measuring():
             set_response_budget(opts.max_generate_length)

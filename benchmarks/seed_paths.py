@@ -11,12 +11,13 @@ Each path gives the same results as train.py's (tests/test_performance.py checks
 - per_prompt_generate: one generate call per prompt instead of one per batch
 - full_log_softmax:    logits at every position and a float32 log-softmax over all of them
                        ([N, P+T-1, V]), instead of the log-probs from the hidden states (dapo_utils/kernels.py)
-- multinomial_sampling: generate's own do_sample=True (softmax + torch.multinomial over all V ids),
-                       instead of greedy generate over sampling_processors' SampleKeptTokens
+- hf_generate:         the seed's sampler, generate(do_sample=True): a prompt pass per row, its warpers and
+                       torch.multinomial over all V ids, its per-token passes over the vocabulary, instead of
+                       decoding.decode
 - old_log_prob_pass:   a no-grad pi_old pass even when num_iterations == 1 (where pi_old = pi_theta)
 - one_call_per_batch:  a sampling call per prompt batch (micro-batch) instead of one per rollout
-- repeated_prefill:    generate runs the prompt pass once per response (G times per prompt) instead of
-                       once per prompt (kernels.generate_sharing_prompts)
+- repeated_prefill:    decode runs the prompt pass once per response (G times per prompt) instead of
+                       once per prompt (decoding.distinct_prompts)
 - arrival_order:       with padding_free, micro-batches of batch_size groups in the order they were sampled,
                        instead of balanced by real tokens within each optimizer step (padded passes keep
                        that order anyway)
@@ -25,13 +26,12 @@ Each path gives the same results as train.py's (tests/test_performance.py checks
                        so keep_glibc_heap_policy() must run before the trainer is built
 """
 
-import copy
 import dataclasses
 
 import torch
 import torch.nn.functional as F
 
-SEED_PATHS = ("pad_to_max", "per_prompt_generate", "full_log_softmax", "multinomial_sampling", "old_log_prob_pass")
+SEED_PATHS = ("pad_to_max", "per_prompt_generate", "full_log_softmax", "hf_generate", "old_log_prob_pass")
 SEED_PATHS += ("one_call_per_batch", "repeated_prefill", "arrival_order", "freed_memory_to_kernel")
 
 
@@ -91,11 +91,10 @@ def full_log_softmax(trainer):
     trainer.get_action_log_probs = get_action_log_probs
 
 
-def multinomial_sampling(trainer):
-    args = trainer.args
-    trainer.generation_config = copy.deepcopy(trainer.generation_config)
-    trainer.generation_config.update(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    trainer.logits_processor = None
+def hf_generate(trainer):
+    from dapo_utils import decoding
+
+    trainer.decode = decoding.generate
 
 
 def old_log_prob_pass(trainer):
@@ -119,19 +118,19 @@ def one_call_per_batch(trainer):
 
 
 def repeated_prefill(trainer):
-    import train
+    from dapo_utils import decoding
 
     sample = trainer.sample
 
-    def plain_generate(model, input_ids, attention_mask, **kwargs):
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    def every_row_its_own(input_ids, attention_mask):  # no two rows share a prompt pass
+        return input_ids, attention_mask, torch.arange(len(input_ids), device=input_ids.device)
 
-    def one_prompt_pass_per_row(input_ids, attention_mask):  # train.sample's own call, with plain generate
-        shared, train.generate_sharing_prompts = train.generate_sharing_prompts, plain_generate
+    def one_prompt_pass_per_row(input_ids, attention_mask):  # train.sample's own call
+        shared, decoding.distinct_prompts = decoding.distinct_prompts, every_row_its_own
         try:
             return sample(input_ids, attention_mask)
         finally:
-            train.generate_sharing_prompts = shared
+            decoding.distinct_prompts = shared
 
     trainer.sample = one_prompt_pass_per_row
 

@@ -31,7 +31,6 @@ from collections import Counter
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import LogitsProcessorList
 
 from dapo_utils.answers import NUMBER_CHECKER, STRICT_FORMAT_REGEX, normalize_answer
 from dapo_utils.checkpoints import non_finite_weights
@@ -176,9 +175,8 @@ def accuracy_summary(output_dir):
 # python train.py --eval_only [--compare=PATH]
 # ============================================================
 def use_greedy(trainer):
-    """Greedy decoding from now on: generate without the sampling processors (argmax), vLLM at temperature 0."""
-    trainer.logits_processor = LogitsProcessorList()
-    trainer.args.temperature = 0.0  # what sample_with_vllm passes on; vLLM reads 0 as greedy
+    """Greedy decoding from now on: temperature 0, which decoding.py and vLLM read as argmax."""
+    trainer.args.temperature = 0.0  # what sample() and sample_with_vllm pass on
 
 
 def comparison_table(results):

@@ -1,9 +1,6 @@
 """The measured speed-ups train.py relies on (benchmarks/bench.py and benchmarks/log_probs.py,
 docs/performance.md): each computes exactly what the plain version computes, with less time and memory.
 
-    sampling_processors / SampleKeptTokens   on CPU, draw each token among the ids top-k / top-p keep (32% less
-                                             sampling time than generate's multinomial over 151,936 ids)
-    generate_sharing_prompts                 the G copies of a prompt share one forward pass over it
     output_layer_scores / log_probs_from_hidden   log-probs of the labels and the entropy from the last hidden
                                              states, 512 positions at a time, with a backward that recomputes
                                              each block's logits: no [N, T, V] logits or gradient (a flat
@@ -14,40 +11,8 @@ docs/performance.md): each computes exactly what the plain version computes, wit
 
 import contextlib
 import ctypes
-import math
 
 import torch
-from transformers import (
-    DynamicCache,
-    LogitsProcessor,
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
-
-
-class SampleKeptTokens(LogitsProcessor):
-    """Draw the next token from softmax(scores), looking only at the tokens the warpers kept.
-
-    generate's torch.multinomial walks all 151,936 ids of Qwen's vocabulary (a third of a CPU decode step);
-    over the ~50 that top-k keeps it costs nothing. Same distribution (ties at the top-k boundary included),
-    other random draws. Returns 0 at the drawn token and -inf elsewhere, for generate's greedy argmax.
-    shortlist=False (CUDA): generate's own multinomial over every id, because the shortlist's size is read back
-    to the host, a device sync in every decode step, and a GPU's multinomial over V is cheap.
-    """
-
-    def __init__(self, shortlist=True):
-        self.shortlist = shortlist
-
-    def __call__(self, input_ids, scores):  # scores: [N, V], -inf where a warper removed a token
-        num_kept = int(torch.isfinite(scores).sum(dim=-1).max()) if self.shortlist else scores.size(-1)
-        if num_kept == scores.size(-1):  # nothing removed (top_k 0, top_p 1), or no shortlist
-            drawn = torch.multinomial(scores.softmax(dim=-1), 1)  # [N, 1]
-        else:
-            kept_scores, kept_ids = scores.topk(num_kept, dim=-1)  # [N, K]
-            drawn = kept_ids.gather(-1, torch.multinomial(kept_scores.softmax(dim=-1), 1))  # [N, 1]
-        return torch.full_like(scores, -math.inf).scatter_(-1, drawn, 0.0)
 
 
 def bf16_autocast(args):
@@ -55,39 +20,6 @@ def bf16_autocast(args):
     if args.bf16 and args.device.startswith("cuda"):
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def sampling_processors(temperature, top_k, top_p, device="cpu"):
-    """Hugging Face's own warpers, in generate's order, then SampleKeptTokens (for greedy generate; on CUDA
-    without the shortlist, which would read back to the host in every decode step)."""
-    processors = LogitsProcessorList()
-    if temperature != 1.0:
-        processors.append(TemperatureLogitsWarper(temperature))
-    if top_k:
-        processors.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        processors.append(TopPLogitsWarper(top_p))
-    processors.append(SampleKeptTokens(shortlist=not str(device).startswith("cuda")))
-    return processors
-
-
-@torch.no_grad()
-def generate_sharing_prompts(model, input_ids, attention_mask, **generate_kwargs):
-    """model.generate(input_ids=..., attention_mask=..., **generate_kwargs), where each run of identical rows
-    (a prompt and its G - 1 copies) shares one prompt pass: the KV cache of the distinct prompts' tokens but
-    the last is computed once, selected for every row, and generate goes on from the last prompt token. The
-    same logits as G separate prompt passes. input_ids, attention_mask: [N, P] -> [N, P+T]."""
-    rows = torch.cat([input_ids, attention_mask], dim=1)  # [N, 2P]: equal ids with other masks stay apart
-    distinct, row_of = torch.unique_consecutive(rows, dim=0, return_inverse=True)  # [U, 2P], [N]
-    if len(distinct) == len(rows) or input_ids.size(1) < 2:
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
-    ids, mask = distinct.split(input_ids.size(1), dim=1)  # [U, P] each
-    position_ids = (mask.cumsum(dim=-1) - 1).clamp(min=0)  # as generate numbers them (pads: 0)
-    cache = DynamicCache(config=model.config)
-    inputs = dict(attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1], logits_to_keep=1)
-    model(ids[:, :-1], past_key_values=cache, use_cache=True, **inputs)
-    cache.batch_select_indices(row_of)  # [U, ...] -> [N, ...]
-    return model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
 
 
 # Positions per block (verl's chunk size): a block's logits are [512, V] (297 MiB in float32 with Qwen's 151,936

@@ -9,19 +9,20 @@ import os
 import subprocess
 import sys
 import weakref
+from unittest import mock
 from types import SimpleNamespace
 
 import pytest
 import safetensors
 import torch
 from torch.overrides import TorchFunctionMode
-from transformers import TopKLogitsWarper
 
 import train
 from conftest import make_batch
 from dapo_utils import distributed, vllm_sampler
 from dapo_utils.checkpoints import TRAINER_STATE, resume, save_checkpoint
-from dapo_utils.kernels import SampleKeptTokens, log_probs_from_hidden, sampling_processors
+from dapo_utils import decoding
+from dapo_utils.kernels import log_probs_from_hidden
 from dapo_utils.lora import merged_weights
 from dapo_utils.vllm_sampler import VllmSampler, policy_weights
 
@@ -124,22 +125,25 @@ def test_temperature_divides_float32_logits_under_bf16_autocast():
     assert (divided_in_bf16 - reference).abs().mean() > 0.01  # what the tolerance above tells apart
 
 
-# ---------- sampling: no device read per decode step on CUDA ----------
-def test_sampling_on_cuda_reads_nothing_back_per_decode_step():
-    """The CPU shortlist reads the number of kept ids back to the host in every decode step (a device sync on
-    CUDA); the CUDA processor draws with multinomial over every id, from the same distribution, without a read."""
-    assert sampling_processors(0.9, 50, 1.0, "cuda")[-1].shortlist is False
-    assert sampling_processors(0.9, 50, 1.0, "cpu")[-1].shortlist is True
-    scores = TopKLogitsWarper(4)(None, torch.tensor([[2.0, 1.5, 1.2, 0.9, 0.9, 0.9, 0.3, 0.0, -0.5, -1.0]]) / 0.7)
-    for shortlist, reads in ((True, 1), (False, 0)):
-        with HostReads("kernels.py") as counted:
-            SampleKeptTokens(shortlist)(None, scores.clone())
-        assert counted.count == reads, shortlist
-    n = 200_000
-    torch.manual_seed(0)
-    drawn = SampleKeptTokens(shortlist=False)(None, scores.expand(n, -1).clone()).argmax(-1)
-    frequency = torch.bincount(drawn, minlength=10) / n
-    assert torch.allclose(frequency, scores.softmax(-1)[0], atol=0.005)  # ties at the top-k boundary kept
+# ---------- sampling: CUDA graphs on CUDA, the decode loop elsewhere ----------
+def test_cuda_samples_through_generate_over_a_static_cache():
+    """On CUDA the default sampler is generate over a static KV cache (its decode step compiled with
+    torch.compile(mode="reduce-overhead"): CUDA graphs); fsdp's gathered model and cuda_graphs=False decode in the
+    loop, as the CPU does. tests/test_decoding.py checks that path's samples and distribution on the CPU."""
+    assert decoding.sampler("cuda", True, False) is decoding.generate_with_graphs
+    assert decoding.generate_with_graphs.keywords == {"static_cache": True}
+    for device, graphs, fsdp in (("cuda", False, False), ("cuda", True, True), ("cpu", True, False)):
+        assert decoding.sampler(device, graphs, fsdp) is decoding.decode
+    model = mock.Mock(generation_config="the model's")
+    decoding.generate(model, "ids", "mask", decoding.Sampling(3, [2], 0, 0.9, 50, 1.0), static_cache=True)
+    config = model.generate.call_args.kwargs["generation_config"]
+    assert (config.cache_implementation, config.do_sample, config.top_k, config.max_new_tokens) == (
+        "static",
+        True,
+        50,
+        3,
+    )
+    assert model.generation_config == "the model's"  # put back after the call
 
 
 # ---------- LoRA: each merged weight made as vLLM takes it ----------

@@ -7,8 +7,7 @@
 - reuse_freed_memory:       a CPU trainer's decode steps reuse freed memory instead of faulting it in
 - one generate call per batch: one Samples per prompt with the same shapes and semantics as one
                             generate call per prompt
-- SampleKeptTokens:         the same next-token distribution as generate's multinomial sampling, and
-                            the same sequences where sampling is deterministic
+(decoding.decode against the seed's generate: tests/test_decoding.py)
 """
 
 import json
@@ -19,11 +18,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import make_batch
 from dapo_utils import kernels
-from train import Samples, sampling_processors
+from train import Samples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -119,7 +117,7 @@ def test_pad_to_longest_gives_the_same_log_probs_loss_and_grads(make_trainer, so
         responses = scripted_responses(longest.tokenizer, 8, 8)
         replay(longest, responses)
     else:  # the model's own samples, replayed to the other trainer
-        longest.args.max_generate_length = longest.generation_config.max_new_tokens = 8
+        longest.args.max_generate_length = 8
         seen = record_samples(longest)
     a = micro_batch(longest, batch)
     if source == "sampled":
@@ -446,44 +444,3 @@ def test_batch_generation_same_samples_as_one_call_per_prompt(make_trainer, pad_
             )
         for field in ("prompt_response_ids", "response_ids", "attention_mask", "action_mask"):  # each group as
             assert torch.equal(getattr(x, field), getattr(y, field)), field  # wide as alone: identical tensors
-
-
-# ---------- 4. SampleKeptTokens draws from the same distribution ----------
-@pytest.mark.parametrize(
-    "temperature, top_k, top_p", [(0.9, 50, 1.0), (0.7, 4, 1.0), (1.0, 0, 0.8), (1.3, 5, 0.9), (1.0, 0, 1.0)]
-)
-def test_sample_kept_tokens_draws_from_generates_distribution(temperature, top_k, top_p):
-    # 12 ids; ids 3, 4 and 5 tie at the 4th-largest logit, so top_k=4 keeps 6 ids (HF keeps ties).
-    logits = torch.tensor([[2.0, 1.5, 1.2, 0.9, 0.9, 0.9, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0]])
-    expected = logits / temperature
-    if top_k:
-        expected = TopKLogitsWarper(top_k)(None, expected)
-    if top_p < 1:
-        expected = TopPLogitsWarper(top_p)(None, expected)
-    expected = expected.softmax(-1)[0]  # what generate's softmax + multinomial draws from
-    if top_k == 4:
-        assert int((expected > 0).sum()) == 6
-    processors = sampling_processors(temperature, top_k, top_p)
-    assert [type(p).__name__ for p in processors][-1] == "SampleKeptTokens"
-    assert (TemperatureLogitsWarper in map(type, processors)) == (temperature != 1.0)
-    n = 200_000
-    torch.manual_seed(0)
-    scores = processors(None, logits.expand(n, -1).clone())  # [n, V]: 0 at the drawn id, -inf elsewhere
-    assert torch.equal((scores == 0).sum(-1), torch.ones(n, dtype=torch.long)) and torch.isinf(scores).sum() == n * 11
-    frequency = torch.bincount(scores.argmax(-1), minlength=12) / n
-    assert (frequency[expected == 0] == 0).all()  # never an id the warpers removed
-    assert torch.allclose(frequency, expected, atol=0.005), (frequency, expected)  # 5 standard errors at most
-
-
-def test_sample_kept_tokens_same_sequences_when_sampling_is_deterministic(make_trainer):
-    # top_k=1 leaves one candidate per step: both paths must then produce identical sequences,
-    # EOS handling and padding included.
-    outputs = []
-    for fast in (True, False):
-        trainer = make_trainer(num_generations=4, max_generate_length=12, top_k=1, batch_size=2)
-        if not fast:
-            use_seed_paths(trainer, "multinomial_sampling")  # generate's own do_sample=True
-        assert (trainer.logits_processor is not None) == fast and trainer.generation_config.do_sample != fast
-        samples = trainer.generate_samples(make_batch(trainer, 2))
-        outputs.append([s.prompt_response_ids for s in samples])
-    assert all(torch.equal(fast, seed) for fast, seed in zip(*outputs))

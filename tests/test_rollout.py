@@ -1,17 +1,15 @@
 """How a rollout is sampled and shaped (issue 22): the seed's groups in the seed's order with one sampling call
 per rollout; one prompt pass per group; packed training passes; micro-batches balanced by tokens."""
 
-import copy
 import functools
 import os
 import sys
 
 import torch
-from transformers import TopKLogitsWarper
 
 from conftest import as_micro_batch, make_batch, scripted_sampler, token_ids
 from dapo_utils.distributed import World
-from dapo_utils.kernels import generate_sharing_prompts
+from dapo_utils.decoding import Sampling, decode, generate
 from dapo_utils.packing import balanced_micro_batches, pack_sequences
 from train import loss_normaliser
 
@@ -162,41 +160,21 @@ def forward_shapes(model):
     return shapes
 
 
-def test_shared_prompt_pass_same_logits_and_draws_as_generate(make_trainer):
+def test_decode_makes_one_prompt_pass_per_group(make_trainer):
+    """8 rows of 2 prompts (G 4): the prompt pass runs once per prompt, then every decode step runs the 8 rows one
+    token at a time; the same sequences as the seed's generate, which runs a prompt pass per row."""
     G, T = 4, 6
     trainer = make_trainer(num_generations=G, max_generate_length=T, top_k=1)  # top_k 1: the same draws both ways
     prompt_ids, prompt_mask = trainer.encode_prompts(make_batch(trainer, 2, varied=True)["prompt"])  # [2, P]
     ids, mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)  # [8, P]
-    generation_config = copy.deepcopy(trainer.generation_config)
-    generation_config.update(output_logits=True, return_dict_in_generate=True)  # raw logits of every step
-    config = dict(generation_config=generation_config, logits_processor=trainer.logits_processor)
+    settings = Sampling(T, trainer.eos_token_ids, trainer.tokenizer.pad_token_id, 0.9, 1, 1.0)
     shapes = forward_shapes(trainer.model)
-    shared = generate_sharing_prompts(trainer.model, ids, mask, **config)
+    shared = decode(trainer.model, ids, mask, settings)
     P = ids.size(1)
-    assert shapes[:2] == [(2, P - 1), (8, 1)]  # the 2 distinct prompts once, then each row's last prompt token
-    assert all(n == 1 for _, n in shapes[1:])
-    plain = trainer.model.generate(input_ids=ids, attention_mask=mask, **config)
-    assert shapes[1 + len(shared.logits)] == (8, P)  # generate alone: a prompt pass per row
-    assert torch.equal(shared.sequences, plain.sequences) and shared.sequences.size(1) > P
-    drawn = shared.sequences[:, P:]  # [8, T']
-    log_probs = [torch.stack(x.logits, 1).log_softmax(-1).gather(-1, drawn.unsqueeze(-1)) for x in (shared, plain)]
-    assert (log_probs[0] - log_probs[1]).abs().max() < 1e-5  # the drawn tokens' log-probs
-
-
-def test_shared_prompt_pass_samples_generates_distribution(make_trainer):
-    n = 2000  # copies of each of 2 prompts; the first response token's frequencies
-    trainer = make_trainer(num_generations=n, max_generate_length=1, temperature=0.9, top_k=20)
-    prompt_ids, prompt_mask = trainer.encode_prompts(make_batch(trainer, 2, varied=True)["prompt"])  # [2, P]
-    ids, mask = prompt_ids.repeat_interleave(n, dim=0), prompt_mask.repeat_interleave(n, dim=0)
-    torch.manual_seed(0)
-    drawn = trainer.sample(ids, mask)[0][:, -1].view(2, n)  # [2, n]
-    with torch.no_grad():
-        position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        logits = trainer.model(prompt_ids, attention_mask=prompt_mask, position_ids=position_ids).logits[:, -1]
-    expected = (TopKLogitsWarper(20)(None, logits / 0.9)).softmax(-1)  # [2, V]: what generate draws from
-    frequency = torch.stack([torch.bincount(row, minlength=expected.size(1)) for row in drawn]) / n
-    assert (frequency[expected == 0] == 0).all()
-    assert ((frequency - expected).abs() <= 5 * (expected * (1 - expected) / n).sqrt() + 1e-3).all()
+    assert shapes == [(2, P)] + [(8, 1)] * (shared.size(1) - P - 1)  # the 2 prompts once, then each drawn token
+    shapes.clear()
+    assert torch.equal(shared, generate(trainer.model, ids, mask, settings)) and shared.size(1) > P
+    assert shapes[0] == (8, P)  # generate alone: a prompt pass per row
 
 
 # ---------- 4. micro-batches balanced by tokens ----------

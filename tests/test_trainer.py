@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from conftest import as_micro_batch, make_batch, scripted_sampler, token_ids
 from train import DapoArguments, GSM8KDataset, Samples
@@ -61,31 +61,6 @@ def test_attention_mask_when_pad_is_eos(make_trainer):
     assert im_end_in_prompt == 2  # system and user turns end with <|im_end|>
     assert s.attention_mask[0, : -s.num_actions].sum().item() == len(prompt_ids)  # all attended
     assert s.action_mask.tolist() == [[1, 0], [1, 1]]
-
-
-def test_sampling_ignores_the_models_generation_config(make_trainer, monkeypatch):
-    trainer = make_trainer(num_generations=8, max_generate_length=6)
-    greedy = GenerationConfig(
-        do_sample=False, repetition_penalty=1.5, no_repeat_ngram_size=2, top_k=1, eos_token_id=[0]
-    )
-    trainer.model.generation_config = greedy
-    seen = []
-    original = trainer.model._get_logits_processor
-
-    def spy(*args, **kwargs):
-        seen.append(original(*args, **kwargs))
-        return seen[-1]
-
-    monkeypatch.setattr(trainer.model, "_get_logits_processor", spy)
-    samples = trainer.generate_samples(make_batch(trainer))[0]
-    # Exactly the trainer's temperature 0.9 and top-k 50, then SampleKeptTokens (which draws under
-    # greedy generate): no repetition penalty, no n-gram ban.
-    temperature, top_k, *rest = seen[0]
-    assert (type(temperature).__name__, temperature.temperature) == ("TemperatureLogitsWarper", 0.9)
-    assert (type(top_k).__name__, top_k.top_k) == ("TopKLogitsWarper", 50)
-    assert [type(p).__name__ for p in rest] == ["SampleKeptTokens"]
-    assert len({tuple(r) for r in samples.response_ids.tolist()}) > 1  # not greedy: the group differs
-    assert trainer.model.generation_config is greedy  # the user's config is put back
 
 
 def test_long_prompt_keeps_its_end_and_warns(make_trainer):
