@@ -161,8 +161,9 @@ class Roof:
 
 def device_roof(device, bf16=True, tf32=True):
     """The Roof of a run on this device with these settings: the peak (a GPU's from its datasheet, else measured) and
-    the read bandwidth (measured), once per process. Weights are float32 (train.py's policy); bf16 autocast (kernels.bf16_autocast: on CUDA) casts
-    them once per call, and its passes read the bf16 copies and cache bf16 keys and values."""
+    the read bandwidth (measured), once per process. Weights are float32 (train.py's policy); bf16 autocast
+    (kernels.bf16_autocast: on CUDA) casts them once per call, and its passes read the bf16 copies and cache bf16
+    keys and values."""
     autocast = bf16 and device.startswith("cuda")
     return Roof(peak_flops(device, bf16, tf32), read_bandwidth(device), 2 if autocast else 4)
 
@@ -206,25 +207,27 @@ def read_bandwidth(device):
 
 
 @functools.lru_cache(maxsize=None)
-def bandwidth_probe(device, threads, size=None, repeats=5):
-    """The fastest of `repeats` sums of a float32 tensor too large for the caches (256 MiB on a CPU, about 0.2 s in
-    all; 1 GiB on a GPU), in bytes read per second: a read rate this code can reach. threads: part of the cache
-    key, as matmul_probe's."""
-    size = size or (2**26 if device == "cpu" else 2**28)  # float32 elements
-    x = torch.full((size,), 0.5, device=device)  # no draw from torch's RNG: a run's samples stay
+def bandwidth_probe(device, threads, size=None, repeats=3):
+    """The fastest sum of a float32 block, in bytes read per second: a read rate this code can reach. Measured once
+    per process (threads: part of the cache key, as matmul_probe's) in about 0.1 s on a CPU: 256 MiB, too large for
+    the caches, read `repeats` times 32 MiB at a time, so that on a shared machine some reads run undisturbed (2
+    Xeon threads: 24.8 GB/s, one sum over all 256 MiB 23.4; while another process ran, 5 such sums read 12.5).
+    On a GPU, 1 GiB in one sum."""
+    size, chunks = size or (2**26 if device == "cpu" else 2**28), 8 if device == "cpu" else 1  # float32 elements
+    blocks = torch.full((chunks, size // chunks), 0.5, device=device)  # no draw from torch's RNG: a run's samples stay
     best = float("inf")
-    for _ in range(repeats + 1):  # the first call warms up
+    for block in [blocks[0]] + list(blocks) * repeats:  # the first read warms up
         if device != "cpu":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        x.sum()
+        block.sum()
         if device != "cpu":
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
-    del x
-    if device != "cpu":  # hand the block back: vLLM sizes its KV cache from the memory left
+    del blocks, block
+    if device != "cpu":  # hand the memory back: vLLM sizes its KV cache from what is left
         torch.cuda.empty_cache()
-    return 4 * size / best
+    return 4 * (size // chunks) / best
 
 
 def perf_metrics(record, peak, processes=1):
