@@ -24,7 +24,8 @@ log-probs and gradients on the resulting micro-batch, with fixed advantages and 
 The roofline table (print_roofline, after the main one): per configuration and phase, the measured seconds per
 step, the bound (dapo_utils/flops.py: max(bytes read / read bandwidth, FLOPs / peak) per pass, or per decode step
 for sampling, the weights read once for all the rows of a call) and their ratio, with the read bandwidth and the
-peak the worker's trainer measured (flops.device_roof: a sum over 256 MiB and a 512 x 512 matmul on a CPU). The
+peak the worker measured (flops.device_roof: 32 MiB sums over 256 MiB and 512 x 512 matmuls on a CPU), the higher
+of its probes when the trainer was built and after the steps (a disturbed probe reads low: steadier_roof). The
 sampler's prompt pass is timed apart, before each sampling round and outside the step's clock: a forward over the
 round's distinct prompts into a KV cache, as kernels.generate_sharing_prompts' shared prompt pass does
 (time_prompt_pass); "sampling decode" is the sampling time less that. Training's bound reads the weights 3 times
@@ -325,14 +326,26 @@ def time_prompt_pass(trainer, prompts):
     return time.perf_counter() - start
 
 
-def phase_bounds(trainer, rounds, rollouts, trained):
-    """{result key: seconds} of each phase's roofline (flops.py, on the trainer's Roof) for one step's work: its
+def steadier_roof(trainer):
+    """The trainer's Roof measured again after its steps, each figure the higher of the two probes': on a shared
+    machine a probe that another process disturbed reads low, and a low roof puts the bound above the time."""
+    from dapo_utils.flops import Roof, bandwidth_probe, device_roof, matmul_probe
+
+    first, args = trainer.roof, trainer.args
+    matmul_probe.cache_clear()
+    bandwidth_probe.cache_clear()
+    again = device_roof(args.device, args.bf16, args.tf32)
+    return Roof(max(first.peak, again.peak), max(first.bandwidth, again.bandwidth), first.itemsize)
+
+
+def phase_bounds(trainer, roof, rounds, rollouts, trained):
+    """{result key: seconds} of each phase's roofline (flops.py, on this Roof) for one step's work: its
     sampling rounds (the groups each drew: prefill and decode, sampling_bound), its rollouts' micro-batches (a
     forward pass each for pi_old's and pi_ref's log-probs) and its trained micro-batches (forward and backward: 3 x
     the FLOPs, the weights read 3 times)."""
     from dapo_utils.flops import pass_bytes, pass_flops, sampling_bound
 
-    shape, roof = trainer.flop_shape, trainer.roof
+    shape = trainer.flop_shape
     rows = None if trainer.vllm else trainer.args.max_generation_rows  # per sampling call, as train.py splits them
     sampling = [sampling_bound(shape, groups, rows, roof) for groups in rounds]  # [(prefill, decode)]
     weights = pass_bytes(shape, roof.itemsize) / roof.bandwidth  # seconds to read every weight once
@@ -366,6 +379,7 @@ def run_config(opts, world, name):
         peaks = [0, 0]  # CUDA: the largest allocated and reserved peaks of the measured steps (log_step resets them)
         tokens = [0, 0, 0]  # real and processed tokens of the training passes since the last step, most in one pass
         rounds, rollouts, trained, prefills = [], [], [], []  # the step's work, for its phase bounds
+        work = []  # each step's (rounds, rollouts, trained): bounded after the run, on a steadier roof
         generate_experiences, generate_samples = trainer.generate_experiences, trainer.generate_samples
         make_micro_batches = trainer.make_micro_batches
 
@@ -385,10 +399,10 @@ def run_config(opts, world, name):
             log_step(metrics)
             synchronize(opts.device)
             trainer.history[-1].update({"bench/wall": time.perf_counter() - clock[0], "bench/widths": list(widths)})
-            trainer.history[-1].update(phase_bounds(trainer, rounds, rollouts, trained))
             trainer.history[-1]["bench/prefill"] = math.nan if trainer.vllm else sum(prefills)
-            for work in (rounds, rollouts, trained, prefills):
-                work.clear()
+            work.append((list(rounds), list(rollouts), list(trained)))
+            for parts in (rounds, rollouts, trained, prefills):
+                parts.clear()
             trainer.history[-1].update({"bench/real_tokens": tokens[0], "bench/processed_tokens": tokens[1]})
             trainer.history[-1]["bench/max_pass_tokens"] = tokens[2]
             widths.clear()
@@ -432,7 +446,9 @@ def run_config(opts, world, name):
         clock[0] = time.perf_counter()
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):  # the progress bar
             trainer.train()
-        measured = trainer.history[opts.warmup :]
+        measured, roof = trainer.history[opts.warmup :], steadier_roof(trainer)
+        for record, step_work in zip(measured, work[opts.warmup :]):
+            record.update(phase_bounds(trainer, roof, *step_work))
         keys = [
             "time/sampling",
             "time/reward",
@@ -448,8 +464,7 @@ def run_config(opts, world, name):
             *PHASE_BOUNDS,
         ]
         result = {key: sum(r.get(key) or 0.0 for r in measured) / len(measured) for key in keys}  # null: none
-        result["peak_flops"] = trainer.roof.peak  # flops.peak_flops: the device's, for the MFU column
-        result["bandwidth"] = trainer.roof.bandwidth  # flops.read_bandwidth: for the roofline table
+        result["peak_flops"], result["bandwidth"] = roof.peak, roof.bandwidth  # the MFU column's, the roofline's
         result["bench/max_pass_tokens"] = max(r["bench/max_pass_tokens"] for r in measured)
         result["widths"] = sorted({tuple(w) for r in measured for w in r["bench/widths"]})
         result["peak_bytes"] = max(peak_memory(cuda), peaks[0])
@@ -805,7 +820,8 @@ def print_roofline(results):
             )
     print(
         "bound: max(bytes read / read bandwidth, FLOPs / peak) per pass, or per decode step with the weights read once "
-        "for the call's rows (dapo_utils/flops.py); read GB/s, GFLOP/s: the worker's probes (flops.device_roof); "
+        "for the call's rows (dapo_utils/flops.py); read GB/s, GFLOP/s: the higher of the worker's two probes "
+        "(flops.device_roof, steadier_roof); "
         "sampling prefill: the prompt pass timed alone, decode: sampling less that"
     )
 
