@@ -24,7 +24,7 @@ log-probs and gradients on the resulting micro-batch, with fixed advantages and 
 The roofline table (print_roofline, after the main one): per configuration and phase, the measured seconds per
 step, the bound (dapo_utils/flops.py: max(bytes read / read bandwidth, FLOPs / peak) per pass, or per decode step
 for sampling, the weights read once for all the rows of a call) and their ratio, with the read bandwidth and the
-peak the worker measured (flops.device_roof: 32 MiB sums over 256 MiB and 512 x 512 matmuls on a CPU), the higher
+peak the worker measured (flops.device_roof: 32 MiB sums over 512 MiB and 512 x 512 matmuls on a CPU), the higher
 of its probes when the trainer was built and after the steps (a disturbed probe reads low: steadier_roof). The
 sampler's prompt pass is timed apart, before each sampling round and outside the step's clock: a forward over the
 round's distinct prompts into a KV cache, as kernels.generate_sharing_prompts' shared prompt pass does
@@ -446,7 +446,8 @@ def run_config(opts, world, name):
         clock[0] = time.perf_counter()
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):  # the progress bar
             trainer.train()
-        measured, roof = trainer.history[opts.warmup :], steadier_roof(trainer)
+        measured, peak_bytes = trainer.history[opts.warmup :], max(peak_memory(cuda), peaks[0])
+        roof = steadier_roof(trainer)  # after the peak is read: its probe's block is not the run's memory
         for record, step_work in zip(measured, work[opts.warmup :]):
             record.update(phase_bounds(trainer, roof, *step_work))
         keys = [
@@ -467,7 +468,7 @@ def run_config(opts, world, name):
         result["peak_flops"], result["bandwidth"] = roof.peak, roof.bandwidth  # the MFU column's, the roofline's
         result["bench/max_pass_tokens"] = max(r["bench/max_pass_tokens"] for r in measured)
         result["widths"] = sorted({tuple(w) for r in measured for w in r["bench/widths"]})
-        result["peak_bytes"] = max(peak_memory(cuda), peaks[0])
+        result["peak_bytes"] = peak_bytes
         result["peak_delta_bytes"] = result["peak_bytes"] - base[0]
         result["build_seconds"] = build_seconds
         gaps = [r["vllm/logprob_diff_max"] for r in measured if r.get("vllm/logprob_diff_max") is not None]

@@ -207,25 +207,27 @@ def read_bandwidth(device):
 
 
 @functools.lru_cache(maxsize=None)
-def bandwidth_probe(device, threads, size=None, repeats=3):
-    """The fastest sum of a float32 block, in bytes read per second: a read rate this code can reach. Measured once
-    per process (threads: part of the cache key, as matmul_probe's) in about 0.1 s on a CPU: 256 MiB, too large for
-    the caches, read `repeats` times 32 MiB at a time, so that on a shared machine some reads run undisturbed (2
-    Xeon threads: 24.8 GB/s, one sum over all 256 MiB 23.4; while another process ran, 5 such sums read 12.5).
-    On a GPU, 1 GiB in one sum."""
-    size, chunks = size or (2**26 if device == "cpu" else 2**28), 8 if device == "cpu" else 1  # float32 elements
+def bandwidth_probe(device, threads, size=None):
+    """The fastest sum of a float32 block, in bytes read per second: a read rate this code can reach, measured once
+    per process (threads: part of the cache key, as matmul_probe's). On a CPU, in about 0.2 s: 512 MiB (more than
+    this Xeon's 480 MiB L3) written, then read once in the order written, 32 MiB at a time, so that each block has
+    left the caches when it is read and, on a shared machine, some reads run undisturbed (2 Xeon threads: about
+    25 GB/s, as one sum over 1 GiB; five sums over 256 MiB read 12.5 while another process ran). On a GPU, the
+    fastest of 3 sums over 1 GiB after one that warms up."""
+    cpu = device == "cpu"
+    size, chunks = size or (2**27 if cpu else 2**28), 16 if cpu else 1  # float32 elements
     blocks = torch.full((chunks, size // chunks), 0.5, device=device)  # no draw from torch's RNG: a run's samples stay
     best = float("inf")
-    for block in [blocks[0]] + list(blocks) * repeats:  # the first read warms up
-        if device != "cpu":
+    for block in list(blocks) if cpu else [blocks[0]] * 4:
+        if not cpu:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         block.sum()
-        if device != "cpu":
+        if not cpu:
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     del blocks, block
-    if device != "cpu":  # hand the memory back: vLLM sizes its KV cache from what is left
+    if not cpu:  # hand the memory back: vLLM sizes its KV cache from what is left
         torch.cuda.empty_cache()
     return 4 * (size // chunks) / best
 
