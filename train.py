@@ -41,7 +41,7 @@ from dapo_utils.cli import check_arguments
 from dapo_utils.curves import redraw_curves
 from dapo_utils.data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_system_prompt
 from dapo_utils.evaluation import LOGGED_EXAMPLES, EvaluationStopped, evaluate_model, logged_metrics
-from dapo_utils.flops import log_prob_flops, model_shape, pass_flops, peak_flops, perf_metrics, sampling_flops
+from dapo_utils.flops import device_roof, log_prob_flops, model_shape, pass_flops, perf_metrics, sampling_metrics
 from dapo_utils.guards import check_data_ran_out, check_finite, check_rounds, check_rows, check_weights
 from dapo_utils.decoding import Sampling, sampler
 from dapo_utils.kernels import bf16_autocast, output_layer_scores, reuse_freed_memory
@@ -392,7 +392,7 @@ class DapoTrainer:
         # away. Forward passes may still autocast to bf16 on CUDA (args.bf16).
         device = "cpu" if args.fsdp else args.device  # --fsdp: each rank's shard goes to the device, not all of it
         self.model = policy_model(model, args, device)  # lora_r > 0: wrapped with LoRA adapters, the base frozen
-        self.flop_shape, self.peak_flops = model_shape(self.model), peak_flops(args.device, args.bf16, args.tf32)  # mfu
+        self.flop_shape, self.roof = model_shape(self.model), device_roof(args.device, args.bf16, args.tf32)  # perf/*
         self.world.broadcast_parameters(self.model)
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -567,8 +567,8 @@ class DapoTrainer:
             kept.append(dataclasses.replace(samples_list[g], action_mask=action_mask, advantages=advantages[g]))
         metrics |= {"time/sampling": [sampling_time], "time/reward": [time.perf_counter() - start]}
         metrics |= round_metrics(rewards, keep, responses, lengths, truncated)  # trackers.py: rewards, skips, lengths
-        metrics["perf/flops"] = [sampling_flops(self.flop_shape, samples_list)]  # this round's drawing
-        return kept, metrics
+        rows = None if self.vllm else args.max_generation_rows  # per sampling call (generate_samples); vLLM: one
+        return kept, metrics | sampling_metrics(self.flop_shape, samples_list, rows, self.roof)  # perf/flops, bound
 
     def sample_round(self, batches):
         """generate_experiences on this rank's prompt batches of a sampling call. A rank without one still takes
@@ -791,7 +791,7 @@ class DapoTrainer:
         record = step_record(self.state.update_steps, metrics)
         record |= {key: self.world.sum(getattr(self.state, key)) for key in ("skipped_groups", "truncated_prompts")}
         record |= self.eval_record if self.state.update_steps % self.args.eval_steps == 0 else {}  # evaluated now
-        record |= perf_metrics(record, self.peak_flops, self.world.size)  # perf/throughput, perf/mfu (flops.py)
+        record |= perf_metrics(record, self.roof.peak, self.world.size)  # perf/throughput, perf/mfu, ... (flops.py)
         if self.args.device.startswith("cuda"):  # this step's peak: the counter starts again after each record
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.args.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.args.device)

@@ -21,6 +21,17 @@ skipped unless named in --configs (bf16/tf32 off on CPU; per_prompt_generate wit
 last worker replays one set of sampled responses through every configuration and compares loss,
 log-probs and gradients on the resulting micro-batch, with fixed advantages and a fixed pi_old.
 
+The roofline table (print_roofline, after the main one): per configuration and phase, the measured seconds per
+step, the bound (dapo_utils/flops.py: max(bytes read / read bandwidth, FLOPs / peak) per pass, or per decode step
+for sampling, the weights read once for all the rows of a call) and their ratio, with the read bandwidth and the
+peak the worker measured (flops.device_roof: 32 MiB sums over 512 MiB and 512 x 512 matmuls on a CPU), the higher
+of its probes when the trainer was built and after the steps (a disturbed probe reads low: steadier_roof). The
+sampler's prompt pass is timed apart, before each sampling round and outside the step's clock: a forward over the
+round's distinct prompts into a KV cache, as kernels.generate_sharing_prompts' shared prompt pass does
+(time_prompt_pass); "sampling decode" is the sampling time less that. Training's bound reads the weights 3 times
+(forward; backward reads them and writes their gradients) against 3 x the forward FLOPs. +use_vllm has one
+sampling row (its prompt pass is vLLM's).
+
 "TRL GRPOTrainer (dapo)" runs TRL's GRPOTrainer(loss_type="dapo") (pip install trl==1.16.0) on the same model,
 prompts, rewards and settings (run_trl), timed from optimizer step to optimizer step; "TRL + reuse_freed_memory"
 is the same with kernels.reuse_freed_memory, the CPU heap setting train.py makes, so that the comparison can
@@ -99,6 +110,10 @@ TRAINER_OPTIONS = ("device", "seed", "num_generations", "batch_size", "gradient_
 TRAINER_OPTIONS += ("num_iterations", "max_prompt_length", "max_generate_length")
 WORKER_OPTIONS = ("shape", "steps", "warmup", "warmup_tokens", "threads", "vllm_gpu_memory_utilization", "lengths")
 WORKER_OPTIONS += TRAINER_OPTIONS
+
+
+# run_config's result keys: each phase's bound in seconds per step (phase_bounds)
+PHASE_BOUNDS = ("bench/bound_prefill", "bench/bound_decode", "bench/bound_log_probs", "bench/bound_training")
 
 
 # ---------- shared by the workers (and log_probs.py) ----------
@@ -284,6 +299,67 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
+def time_prompt_pass(trainer, prompts):
+    """Seconds of the sampler's shared prompt pass over these distinct prompts, run alone: each prompt's tokens but
+    the last through the policy into a KV cache (kernels.generate_sharing_prompts' first pass)."""
+    import torch
+    from transformers import DynamicCache
+
+    truncated = trainer.state.truncated_prompts
+    ids, mask = trainer.encode_prompts(prompts)  # [B, P]
+    trainer.state.truncated_prompts = truncated  # counted by the sampling round itself
+    position_ids = (mask.cumsum(dim=-1) - 1).clamp(min=0)  # as generate numbers them
+    model, training = trainer.model, trainer.model.training
+    model.eval()
+    synchronize(trainer.args.device)
+    start = time.perf_counter()
+    with torch.no_grad(), trainer.autocast():
+        inputs = dict(attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1], logits_to_keep=1)
+        model(ids[:, :-1], past_key_values=DynamicCache(config=model.config), use_cache=True, **inputs)
+    synchronize(trainer.args.device)
+    model.train(training)
+    return time.perf_counter() - start
+
+
+def steadier_roof(trainer):
+    """The trainer's Roof measured again after its steps, each figure the higher of the two probes': on a shared
+    machine a probe that another process disturbed reads low, and a low roof puts the bound above the time."""
+    from dapo_utils.flops import Roof, bandwidth_probe, device_roof, matmul_probe
+
+    first, args = trainer.roof, trainer.args
+    matmul_probe.cache_clear()
+    bandwidth_probe.cache_clear()
+    again = device_roof(args.device, args.bf16, args.tf32)
+    return Roof(max(first.peak, again.peak), max(first.bandwidth, again.bandwidth), first.itemsize)
+
+
+def phase_bounds(trainer, roof, rounds, rollouts, trained):
+    """{result key: seconds} of each phase's roofline (flops.py, on this Roof) for one step's work: its
+    sampling rounds (the groups each drew: prefill and decode, sampling_bound), its rollouts' micro-batches (a
+    forward pass each for pi_old's and pi_ref's log-probs) and its trained micro-batches (forward and backward: 3 x
+    the FLOPs, the weights read 3 times)."""
+    from dapo_utils.flops import pass_bytes, pass_flops, sampling_bound
+
+    shape = trainer.flop_shape
+    rows = None if trainer.vllm else trainer.args.max_generation_rows  # per sampling call, as train.py splits them
+    sampling = [sampling_bound(shape, groups, rows, roof) for groups in rounds]  # [(prefill, decode)]
+    weights = pass_bytes(shape, roof.itemsize) / roof.bandwidth  # seconds to read every weight once
+
+    def pass_bound(m, passes):  # m: a MicroBatch
+        flops = float(pass_flops(shape, m.attention_mask, m.action_mask.size(1), passes))
+        return max(passes * weights, flops / roof.peak)
+
+    log_prob_passes = [
+        ((m.old_action_log_probs is not None) + (m.ref_action_log_probs is not None), m) for m in rollouts
+    ]
+    return {
+        "bench/bound_prefill": sum(prefill for prefill, _ in sampling),
+        "bench/bound_decode": sum(decode for _, decode in sampling),
+        "bench/bound_log_probs": sum(n * pass_bound(m, 1) for n, m in log_prob_passes),
+        "bench/bound_training": sum(pass_bound(m, 3) for m in trained),
+    }
+
+
 # ---------- worker 1: time and memory of one configuration ----------
 def run_config(opts, world, name):
 
@@ -297,6 +373,10 @@ def run_config(opts, world, name):
         log_step, train_step, clock, widths, base = trainer.log_step, trainer.train_step, [0.0], [], [0]
         peaks = [0, 0]  # CUDA: the largest allocated and reserved peaks of the measured steps (log_step resets them)
         tokens = [0, 0, 0]  # real and processed tokens of the training passes since the last step, most in one pass
+        rounds, rollouts, trained, prefills = [], [], [], []  # the step's work, for its phase bounds
+        work = []  # each step's (rounds, rollouts, trained): bounded after the run, on a steadier roof
+        generate_experiences, generate_samples = trainer.generate_experiences, trainer.generate_samples
+        make_micro_batches = trainer.make_micro_batches
 
         def set_response_budget(tokens):  # what sample() and vLLM read
             trainer.args.max_generate_length = tokens
@@ -314,6 +394,10 @@ def run_config(opts, world, name):
             log_step(metrics)
             synchronize(opts.device)
             trainer.history[-1].update({"bench/wall": time.perf_counter() - clock[0], "bench/widths": list(widths)})
+            trainer.history[-1]["bench/prefill"] = math.nan if trainer.vllm else sum(prefills)
+            work.append((list(rounds), list(rollouts), list(trained)))
+            for parts in (rounds, rollouts, trained, prefills):
+                parts.clear()
             trainer.history[-1].update({"bench/real_tokens": tokens[0], "bench/processed_tokens": tokens[1]})
             trainer.history[-1]["bench/max_pass_tokens"] = tokens[2]
             widths.clear()
@@ -327,9 +411,28 @@ def run_config(opts, world, name):
             real = int(inputs.attention_mask.sum())  # a padding-free pass computes these only
             processed = real if trainer.args.padding_free else inputs.attention_mask.numel()
             tokens[0], tokens[1], tokens[2] = tokens[0] + real, tokens[1] + processed, max(tokens[2], processed)
+            trained.append(inputs)
             return train_step(model, inputs, normaliser)
 
+        def prefill_timed_experiences(inputs):  # the prompt pass timed alone first, outside the step's clock
+            start = time.perf_counter()
+            if trainer.vllm is None:  # vLLM's prompt pass is its own
+                prefills.append(time_prompt_pass(trainer, list(inputs["prompt"])))
+            clock[0] += time.perf_counter() - start
+            return generate_experiences(inputs)
+
+        def recorded_generate_samples(inputs):
+            rounds.append(generate_samples(inputs))
+            return rounds[-1]
+
+        def recorded_micro_batches(groups):
+            micro_batches = make_micro_batches(groups)
+            rollouts.extend(micro_batches)
+            return micro_batches
+
         trainer.log_step, trainer.train_step = timed_log_step, recorded_train_step
+        trainer.generate_experiences, trainer.generate_samples = prefill_timed_experiences, recorded_generate_samples
+        trainer.make_micro_batches = recorded_micro_batches
         if opts.warmup:  # warm-up steps run every code path (and create Adam's states) on short responses
             set_response_budget(min(opts.warmup_tokens, opts.max_generate_length))
         else:
@@ -338,7 +441,10 @@ def run_config(opts, world, name):
         clock[0] = time.perf_counter()
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):  # the progress bar
             trainer.train()
-        measured = trainer.history[opts.warmup :]
+        measured, peak_bytes = trainer.history[opts.warmup :], max(peak_memory(cuda), peaks[0])
+        roof = steadier_roof(trainer)  # after the peak is read: its probe's block is not the run's memory
+        for record, step_work in zip(measured, work[opts.warmup :]):
+            record.update(phase_bounds(trainer, roof, *step_work))
         keys = [
             "time/sampling",
             "time/reward",
@@ -350,12 +456,14 @@ def run_config(opts, world, name):
             "bench/real_tokens",
             "bench/processed_tokens",
             "perf/flops",
+            "bench/prefill",
+            *PHASE_BOUNDS,
         ]
         result = {key: sum(r.get(key) or 0.0 for r in measured) / len(measured) for key in keys}  # null: none
-        result["peak_flops"] = trainer.peak_flops  # flops.peak_flops: the device's, for the MFU column
+        result["peak_flops"], result["bandwidth"] = roof.peak, roof.bandwidth  # the MFU column's, the roofline's
         result["bench/max_pass_tokens"] = max(r["bench/max_pass_tokens"] for r in measured)
         result["widths"] = sorted({tuple(w) for r in measured for w in r["bench/widths"]})
-        result["peak_bytes"] = max(peak_memory(cuda), peaks[0])
+        result["peak_bytes"] = peak_bytes
         result["peak_delta_bytes"] = result["peak_bytes"] - base[0]
         result["build_seconds"] = build_seconds
         gaps = [r["vllm/logprob_diff_max"] for r in measured if r.get("vllm/logprob_diff_max") is not None]
@@ -676,6 +784,44 @@ def print_results(opts, results, check, device_name):
             )
 
 
+def phase_rows(r):
+    """(phase, measured s, bound s) of one configuration's result: the decode's time is sampling's less the prompt
+    pass timed alone (NaN without one: +use_vllm's sampling is one row)."""
+    sampling = [("sampling", r["time/sampling"], r["bench/bound_prefill"] + r["bench/bound_decode"])]
+    if not math.isnan(r["bench/prefill"]):
+        sampling = [
+            ("sampling prefill", r["bench/prefill"], r["bench/bound_prefill"]),
+            ("sampling decode", r["time/sampling"] - r["bench/prefill"], r["bench/bound_decode"]),
+        ]
+    return sampling + [
+        ("old/ref log-probs", r["time/old_ref_log_probs"], r["bench/bound_log_probs"]),
+        ("training", r["time/training"], r["bench/bound_training"]),
+    ]
+
+
+def print_roofline(results):
+    """Each configuration's phases: measured seconds per step, the bound, their ratio (module docstring), beside
+    the read bandwidth and peak its worker measured. TRL's rows have no phases of ours: left out."""
+    measured = {name: r for name, r in results.items() if "bench/bound_decode" in r}
+    if not measured:
+        return
+    head = f"{'configuration':<26}{'phase':<20}{'measured s':>11}{'bound s':>9}{'x bound':>9}{'read GB/s':>11}{'GFLOP/s':>9}"
+    print(f"\nroofline per phase\n{head}\n{'-' * len(head)}")
+    for name, r in measured.items():
+        roof = f"{r['bandwidth'] / 1e9:>11.1f}{r['peak_flops'] / 1e9:>9.0f}"
+        for i, (phase, seconds, bound) in enumerate(phase_rows(r)):
+            ratio = f"{seconds / bound:>9.1f}" if bound > 0 else f"{'-':>9}"
+            print(
+                f"{name if i == 0 else '':<26}{phase:<20}{seconds:>11.3f}{bound:>9.3f}{ratio}{roof if i == 0 else ''}"
+            )
+    print(
+        "bound: max(bytes read / read bandwidth, FLOPs / peak) per pass, or per decode step with the weights read once "
+        "for the call's rows (dapo_utils/flops.py); read GB/s, GFLOP/s: the higher of the worker's two probes "
+        "(flops.device_roof, steadier_roof); "
+        "sampling prefill: the prompt pass timed alone, decode: sampling less that"
+    )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -832,6 +978,7 @@ def main(argv=None):
             None if opts.no_loss_check or not checked else run_worker(opts, world, "losscheck:" + json.dumps(checked))
         )
     print_results(opts, results, check, device_name)
+    print_roofline(results)
     if DEFAULT in results and SEED in results:
         print(
             f"\nspeed-up of the default over the seed's paths: {results[SEED]['bench/wall'] / results[DEFAULT]['bench/wall']:.2f}x"

@@ -73,7 +73,8 @@ def reduce_metric(key, values):
     return {key: max(values) if key.endswith("_max") else fmean(values)}
 
 
-SUMMED = ("loss", "num_tokens", "vllm/lagged_groups", "perf/flops")  # step_record's totals (and time/*, reward_*/*)
+# step_record's totals (and time/*, reward_*/*); perf/sampling_bound is seconds, as time/* are
+SUMMED = ("loss", "num_tokens", "vllm/lagged_groups", "perf/flops", "perf/sampling_bound")
 
 
 @torch.no_grad()

@@ -109,7 +109,7 @@ def test_plot_from_seed_files_alone(tmp_path):
 
 def comparable(records):
     """metrics.jsonl records without wall-clock figures."""
-    wall_clock = ("time/", "perf/throughput", "perf/mfu")
+    wall_clock = ("time/", "perf/throughput", "perf/mfu", "perf/sampling_")  # the bound: from a measured bandwidth
     return [
         {k: v for k, v in r.items() if not k.startswith(wall_clock) and not k.endswith("per_second")} for r in records
     ]
