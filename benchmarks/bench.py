@@ -27,7 +27,7 @@ for sampling, the weights read once for all the rows of a call) and their ratio,
 peak the worker measured (flops.device_roof: 32 MiB sums over 512 MiB and 512 x 512 matmuls on a CPU), the higher
 of its probes when the trainer was built and after the steps (a disturbed probe reads low: steadier_roof). The
 sampler's prompt pass is timed apart, before each sampling round and outside the step's clock: a forward over the
-round's distinct prompts into a KV cache, as kernels.generate_sharing_prompts' shared prompt pass does
+round's distinct prompts into a KV cache, decoding.prefill itself
 (time_prompt_pass); "sampling decode" is the sampling time less that. Training's bound reads the weights 3 times
 (forward; backward reads them and writes their gradients) against 3 x the forward FLOPs. +use_vllm has one
 sampling row (its prompt pass is vLLM's).
@@ -77,6 +77,16 @@ SHAPES = {
     "qwen2.5-1.5b": dict(
         num_hidden_layers=28, hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2
     ),
+    # SmolLM2-135M-Instruct's shape (a Llama: its q/k/v have no bias) as a Qwen2, with its 49,152-id vocabulary:
+    # 30 thin layers, where each layer's per-token overhead weighs more than the output layer
+    "smollm2-135m": dict(
+        num_hidden_layers=30,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+    ),  # fmt: skip
 }
 COMMON_SHAPE = dict(
     vocab_size=151936,
@@ -85,6 +95,13 @@ COMMON_SHAPE = dict(
     rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
+
+
+def shape_config(shape):
+    """The Qwen2Config fields of a shape: COMMON_SHAPE's, then the shape's own (its vocabulary, where it has one)."""
+    return {**COMMON_SHAPE, **SHAPES[shape]}
+
+
 DEFAULT, SEED = "default (train.py)", "seed (all seed paths)"
 BEFORE = "before issue 22"  # a sampling call per micro-batch, G prompt passes per group
 # name -> (seed paths, DapoArguments overrides)
@@ -124,8 +141,7 @@ def build_model(shape, tokenizer, device, seed):
 
     endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = Qwen2Config(
-        **SHAPES[shape],
-        **COMMON_SHAPE,
+        **shape_config(shape),
         bos_token_id=endoftext,
         eos_token_id=im_end,
         pad_token_id=tokenizer.pad_token_id,
@@ -300,22 +316,20 @@ def synchronize(device):
 
 
 def time_prompt_pass(trainer, prompts):
-    """Seconds of the sampler's shared prompt pass over these distinct prompts, run alone: each prompt's tokens but
-    the last through the policy into a KV cache (kernels.generate_sharing_prompts' first pass)."""
+    """Seconds of the sampler's shared prompt pass over these distinct prompts, run alone (decoding.prefill)."""
     import torch
-    from transformers import DynamicCache
+
+    from dapo_utils.decoding import prefill
 
     truncated = trainer.state.truncated_prompts
     ids, mask = trainer.encode_prompts(prompts)  # [B, P]
     trainer.state.truncated_prompts = truncated  # counted by the sampling round itself
-    position_ids = (mask.cumsum(dim=-1) - 1).clamp(min=0)  # as generate numbers them
     model, training = trainer.model, trainer.model.training
     model.eval()
     synchronize(trainer.args.device)
     start = time.perf_counter()
     with torch.no_grad(), trainer.autocast():
-        inputs = dict(attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1], logits_to_keep=1)
-        model(ids[:, :-1], past_key_values=DynamicCache(config=model.config), use_cache=True, **inputs)
+        prefill(model, ids, mask)
     synchronize(trainer.args.device)
     model.train(training)
     return time.perf_counter() - start
@@ -676,7 +690,7 @@ def run_loss_check(opts, world, names):
 
 # ---------- --estimate: peak GPU memory from the shapes ----------
 def parameter_count(shape):
-    s = {**SHAPES[shape], **COMMON_SHAPE}
+    s = shape_config(shape)
     H, I, L, V = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
     kv = s["num_key_value_heads"] * (H // s["num_attention_heads"])
     per_layer = (H * H + H) + 2 * (H * kv + kv) + H * H + 3 * H * I + 2 * H  # q(+b), k, v(+b), o, MLP, 2 norms
@@ -687,7 +701,7 @@ def estimate(opts):
     """Print the estimated peak GPU memory of train.py's default (+gradient_checkpointing) and of the seed's paths
     at each of --estimate_lengths response tokens, with and without vLLM's share of a 48 GB card. --preset paper
     needs the same memory as the default at the same lengths (its changes are in the maths and the schedule)."""
-    s = {**SHAPES[opts.estimate_shape], **COMMON_SHAPE}
+    s = shape_config(opts.estimate_shape)
     H, I, L, V = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
     kv = s["num_key_value_heads"] * (H // s["num_attention_heads"])
     n, GB, card = parameter_count(opts.estimate_shape), 2**30, 48e9

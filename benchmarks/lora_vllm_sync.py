@@ -30,14 +30,14 @@ def main():
     parser.add_argument("--lora_r", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     opts = parser.parse_args()
-    from bench import COMMON_SHAPE, SHAPES
+    from bench import shape_config
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from dapo_utils.vllm_sampler import VllmSampler
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**SHAPES[opts.shape], **COMMON_SHAPE, dtype="float32"))
+    model = Qwen2ForCausalLM(Qwen2Config(**shape_config(opts.shape), dtype="float32"))
     model = get_peft_model(model, LoraConfig(r=opts.lora_r, lora_alpha=2 * opts.lora_r, target_modules="all-linear"))
     samplers = {}
     for name, rank in (("merged", 0), ("adapters", opts.lora_r)):

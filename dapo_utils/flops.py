@@ -94,7 +94,7 @@ def log_prob_flops(shape, micro_batches):
 
 def sampling_flops(shape, groups):
     """FLOPs of drawing groups (train.py's Samples), as a float: one read a sampling round. Each group's prompt
-    pass once (kernels.generate_sharing_prompts), then each drawn token through the decoder and the output layer,
+    pass once (decoding.prefill), then each drawn token through the decoder and the output layer,
     attending to the prompt and the tokens before it (the KV cache)."""
     total = 0.0
     for group in groups:
@@ -117,7 +117,7 @@ def sampling_bound(shape, groups, rows, roof):
                   max(pass_bytes(the P + s - 1 cached tokens of each row still drawing) / bandwidth,
                       sum over those rows of (2 x (decoder + head) + attention x (P + s)) / peak)
     The prefill is one pass over the call's distinct prompts (the G copies of a prompt share it, as
-    kernels.generate_sharing_prompts does), so the decoder's weights are read once; the output layer waits for the
+    decoding.prefill does), so the decoder's weights are read once; the output layer waits for the
     first drawn token. The rows of a call step together: a decode step reads the weights once for all its rows, up
     to its longest response. The FLOPs of both parts add up to sampling_flops'."""
     if not groups:
