@@ -4,13 +4,14 @@
 #   bash benchmarks/gpu_check.sh              the check: env, resume, fsdp, logprobs (at most 8 min 20 s on one GPU)
 #   bash benchmarks/gpu_check.sh vllm         vLLM: one call of 64 prompts x G 16, sleep mode (at most 7 min)
 #   bash benchmarks/gpu_check.sh speed        s/step and peak memory at Qwen2.5-1.5B's shape, use_vllm off, on (9 min)
+#   bash benchmarks/gpu_check.sh graphs       the default sampler's CUDA graphs against plain generate (at most 4 min)
 #   bash benchmarks/gpu_check.sh long         padding_free against padded passes; a micro-step at 4k-16k tokens (9 min)
 #   bash benchmarks/gpu_check.sh multi        2 GPUs or more: torchrun, an engine per GPU (DDP + sleep, FSDP; 8 min)
-#   bash benchmarks/gpu_check.sh all          every part (limits adding to 41 minutes)
+#   bash benchmarks/gpu_check.sh all          every part (limits adding to 45 minutes)
 #   bash benchmarks/gpu_check.sh --cpu [...]  no GPU: the same parts on the CPU, small shapes (the suite's dry run)
 #
-# Parts can also be named one by one (env resume fsdp logprobs vllm_call sleep speed padding_free long_responses
-# torchrun_2). Each part runs under its own time limit and reports ok, FAILED or skipped (why); a failure never
+# Parts can also be named one by one (env resume fsdp logprobs graphs vllm_call sleep speed padding_free
+# long_responses torchrun_2). Each part runs under its own time limit and reports ok, FAILED or skipped (why); a failure never
 # stops the parts after it. Nothing is installed and nothing downloaded: the models are random, the problems are
 # made in memory. Parts that need a package the machine lacks say so (the env part names what to bring as wheels):
 # speed, long and multi run bench.py, log_probs.py and train.py --demo, which read their data with `datasets`.
@@ -30,13 +31,13 @@ parts=()
 for arg in "$@"; do
     case $arg in
     --cpu) mode=cpu ;;
-    -h | --help) sed -n '2,18p' "$0" | cut -c3- && exit 0 ;;
+    -h | --help) sed -n '2,19p' "$0" | cut -c3- && exit 0 ;;
     check) parts+=(env resume fsdp logprobs) ;;
     vllm) parts+=(vllm_call sleep) ;;
     speed | multi) parts+=("$arg") ;;
     long) parts+=(padding_free long_responses) ;;
-    all) parts+=(env resume fsdp logprobs vllm_call sleep speed padding_free long_responses multi) ;;
-    env | resume | fsdp | logprobs | vllm_call | sleep | padding_free | long_responses | torchrun_2) parts+=("$arg") ;;
+    all) parts+=(env resume fsdp logprobs graphs vllm_call sleep speed padding_free long_responses multi) ;;
+    env | resume | fsdp | logprobs | graphs | vllm_call | sleep | padding_free | long_responses | torchrun_2) parts+=("$arg") ;;
     *) echo "gpu_check: unknown part or group '$arg' (see --help)" >&2 && exit 2 ;;
     esac
 done
@@ -119,6 +120,7 @@ for part in "${parts[@]}"; do
     fsdp) needs fsdp && run_part fsdp 150 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 \
         benchmarks/gpu_parts.py fsdp "${at[@]}" ;;
     logprobs) needs logprobs && run_part logprobs 120 "$PYTHON" benchmarks/gpu_parts.py logprobs "${at[@]}" ;;
+    graphs) needs graphs && run_part graphs 240 "$PYTHON" benchmarks/gpu_parts.py graphs "${at[@]}" ;;
     vllm_call) needs vllm_call vllm && run_part vllm_call 240 "$PYTHON" benchmarks/gpu_parts.py vllm_call "${at[@]}" \
         --vllm_gpu_memory_utilization "$utilization" ;;
     sleep) needs sleep vllm && run_part sleep 180 "$PYTHON" benchmarks/gpu_parts.py sleep "${at[@]}" ;;

@@ -7,6 +7,7 @@
                                                                 half-done rollout, resumed: against an uninterrupted run
     torchrun --standalone --nproc_per_node=1 benchmarks/gpu_parts.py fsdp --device cuda     the same with --fsdp
     python benchmarks/gpu_parts.py logprobs --device cuda       bf16 log-probs against float32 ones (1.5B's shape)
+    python benchmarks/gpu_parts.py graphs --device cuda         the default sampler (CUDA graphs) against generate
     python benchmarks/gpu_parts.py vllm_call --device cuda      one vLLM call of 64 prompts x G 16: the sampler gap
     python benchmarks/gpu_parts.py sleep --device cuda          use_vllm with sleep mode: memory freed while training
 
@@ -224,6 +225,50 @@ def tiny_tokenizer():
     return build_tokenizer([chatml_prompt(SYSTEM_PROMPT, r["question_zh-cn"]) for r in make_problems(64, 0)], 120)
 
 
+# ---------- the default sampler: CUDA graphs ----------
+def graphs_check(opts):
+    """The default sampler on this device against plain generate, on a random model of Qwen2.5-1.5B's shape (--shape
+    small on a CPU) under the trainer's autocast: 8 rows (2 prompts x G 4), 128 new tokens (16 on a CPU), greedy (top-k 1) so that
+    the paths can be compared token for token. On CUDA the default is decoding.generate_with_graphs (a static cache;
+    generate compiles its decode step to CUDA graphs: the first call pays the compilation, timed apart); the CPU runs
+    it eagerly, its default being decoding.decode. Prints each path's seconds per call and tokens per second."""
+    from bench import build_model
+    from dapo_utils.decoding import Sampling, decode, generate, generate_with_graphs
+
+    cuda = opts.device.startswith("cuda")
+    model = build_model(opts.shape, tiny_tokenizer(), opts.device, seed=0).eval()
+    rows = torch.randint(model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    ids = rows.repeat_interleave(4, dim=0).to(opts.device)  # [8, 64]
+    mask = torch.ones_like(ids)
+    tokens = 128 if cuda else 16
+    settings = Sampling(tokens, [], 0, 0.9, 1, 1.0)  # no EOS id: every row runs to the budget
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+
+    def timed(sampler):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with autocast:
+            out = sampler(model, ids, mask, settings)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, out
+
+    first, _ = timed(generate_with_graphs)  # compiles on CUDA
+    results = {name: min(timed(f) for _ in range(2)) for name, f in (
+        ("generate_with_graphs", generate_with_graphs), ("generate (plain)", generate), ("decode", decode))}  # fmt: skip
+    print(f"  generate_with_graphs' first call (compilation on CUDA): {first:.2f} s")
+    for name, (seconds, _) in results.items():
+        print(f"  {name:<22} {seconds:6.3f} s a call, {8 * tokens / seconds:7.0f} tokens/s")
+    graphs, plain = results["generate_with_graphs"], results["generate (plain)"]
+    agree = (graphs[1] == plain[1]).float().mean().item()
+    print(f"  tokens equal to plain generate's: {agree:.1%} (bf16 kernels may round differently once compiled)")
+    findings = [(agree > 0.9, "generate_with_graphs draws what plain generate draws (greedy)")]
+    if cuda:
+        findings += [(graphs[0] < plain[0], "CUDA graphs decode faster than plain generate")]
+    check(findings)
+
+
 # ---------- vLLM ----------
 def vllm_call(opts):
     """One large vLLM call as a rollout makes it: 64 prompts x G 16 (1,024 rows, past vLLM's batched-token budget:
@@ -310,7 +355,7 @@ def sleep_check(opts):
 
 
 PARTS = dict(env=environment, resume=resume_check, fsdp=lambda opts: resume_check(opts, fsdp=True))
-PARTS |= dict(logprobs=logprobs_check, vllm_call=vllm_call, sleep=sleep_check)
+PARTS |= dict(logprobs=logprobs_check, graphs=graphs_check, vllm_call=vllm_call, sleep=sleep_check)
 NEEDS = dict(vllm_call="vllm", sleep="vllm")  # a part -> the package it cannot run without
 
 

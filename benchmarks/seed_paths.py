@@ -14,6 +14,8 @@ Each path gives the same results as train.py's (tests/test_performance.py checks
 - hf_generate:         the seed's sampler, generate(do_sample=True): a prompt pass per row, its warpers and
                        torch.multinomial over all V ids, its per-token passes over the vocabulary, instead of
                        decoding.decode
+- unpacked_output_layer: decode's output-layer product as W @ h^T, what a torch without MKL runs, instead of
+                       MKL's packed weight (decoding.packed_weight_head); the seed's generate runs F.linear
 - old_log_prob_pass:   a no-grad pi_old pass even when num_iterations == 1 (where pi_old = pi_theta)
 - one_call_per_batch:  a sampling call per prompt batch (micro-batch) instead of one per rollout
 - repeated_prefill:    decode runs the prompt pass once per response (G times per prompt) instead of
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 
 SEED_PATHS = ("pad_to_max", "per_prompt_generate", "full_log_softmax", "hf_generate", "old_log_prob_pass")
 SEED_PATHS += ("one_call_per_batch", "repeated_prefill", "arrival_order", "freed_memory_to_kernel")
+SEED_PATHS += ("unpacked_output_layer",)
 
 
 def pad_to_max(trainer):
@@ -95,6 +98,18 @@ def hf_generate(trainer):
     from dapo_utils import decoding
 
     trainer.decode = decoding.generate
+
+
+def unpacked_output_layer(trainer):
+    from unittest import mock
+
+    sample = trainer.sample
+
+    def without_mkl(input_ids, attention_mask):  # packed_weight_head's fallback for this call
+        with mock.patch.object(torch.backends.mkl, "is_available", lambda: False):
+            return sample(input_ids, attention_mask)
+
+    trainer.sample = without_mkl
 
 
 def old_log_prob_pass(trainer):

@@ -23,9 +23,10 @@ plan, and to every module being in it). Optional extras (vLLM, peft, math-verify
     2      packing       groups padded, trimmed, packed (padding_free) and balanced into micro-batches
     2      vllm_sampler  --use_vllm: a vLLM engine in the training process (optional extra)
     1      answers       reading and comparing answers: the seed's rule, the lenient rule, exact numbers
+    1      decoding      the default sampler: the decode loop (CPU), generate over CUDA graphs (CUDA)
     1      distributed   torchrun / accelerate launch: the collectives (no-ops in one process)
-    1      flops         model FLOPs from the shapes, the device's peak: perf/throughput and perf/mfu
-    1      kernels       the sampler, one prompt pass per group, log-probs from the hidden states
+    1      flops         model FLOPs and bytes from the shapes, the device's roof: perf/throughput, mfu, roofline
+    1      kernels       log-probs from the hidden states, bf16 autocast, freed memory reused on CPU
     1      lora          --lora_r: LoRA adapters through peft (optional extra)
     1      notices       the project's warnings, one line each (DapoWarning)
     1      presets       --preset: seed, the paper's ladder (grpo ... paper), the GRPO family (dr_grpo, gspo)

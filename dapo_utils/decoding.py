@@ -6,8 +6,8 @@ machine allows.
                             KV cache), then a plain loop over HF's KV cache with no per-token pass over the
                             vocabulary but the output layer's product and one top-k (generate makes about ten:
                             its warpers, its softmax, its stopping checks); the output layer's product with MKL's
-                            packed weights where torch has MKL (7.3 instead of 12.8 ms at 8 rows x 151,936 x 256
-                            on a Xeon: docs/performance.md)
+                            packed weight where torch has MKL, which reads it near the memory's bandwidth where
+                            F.linear reaches about half (docs/performance.md)
     generate_with_graphs    on CUDA: HF generate over a static KV cache, whose decode step generate compiles with
                             torch.compile(mode="reduce-overhead"): the step replays as CUDA graphs, without the per-op
                             launch overhead that dominates a small batch's decode on a GPU (generate alone, static
@@ -22,7 +22,6 @@ sampling is the trainer's settings and nothing else.
 import contextlib
 import functools
 import math
-
 from typing import NamedTuple
 
 import torch
@@ -33,7 +32,7 @@ class Sampling(NamedTuple):
     """What a sampling call draws: generate's settings of the same names (temperature 0 = greedy)."""
 
     max_new_tokens: int
-    eos_token_ids: tuple  # every id that ends a response
+    eos_token_ids: list  # every id that ends a response
     pad_token_id: int  # what a row holds after its EOS
     temperature: float
     top_k: int  # 0 = off

@@ -411,7 +411,8 @@ def test_peak_memory_gb_is_each_steps_own(make_trainer, monkeypatch):
 # ---------- gpu_check.sh on a machine without datasets and vLLM ----------
 def test_gpu_check_dry_run_reports_every_part_without_datasets_and_vllm(tmp_path):
     """`gpu_check.sh --cpu` on a Python where `import datasets` and `import vllm` fail: every part reports, FSDP
-    under torchrun with one process resumes a SIGTERM'd run, the parts that need the missing packages say so."""
+    under torchrun with one process resumes a SIGTERM'd run, the sampler's CUDA path (run eagerly) draws what generate
+    draws, the parts that need the missing packages say so."""
     shadow = tmp_path / "shadow"
     for name in ("datasets", "vllm"):
         (shadow / name).mkdir(parents=True)
@@ -421,15 +422,17 @@ def test_gpu_check_dry_run_reports_every_part_without_datasets_and_vllm(tmp_path
     )
     script = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
     done = subprocess.run(
-        ["bash", script, "--cpu", "env", "fsdp", "vllm_call", "speed", "multi"],
+        ["bash", script, "--cpu", "env", "fsdp", "graphs", "vllm_call", "speed", "multi"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = done.stdout.split("gpu_check summary (cpu;")[1].splitlines()[1:]
     assert [line.split()[:2] for line in summary] == [
-        ["ok", "env"], ["ok", "fsdp"], ["skipped", "vllm_call:"], ["skipped", "speed:"], ["skipped", "torchrun_2:"]
+        ["ok", "env"], ["ok", "fsdp"], ["ok", "graphs"], ["skipped", "vllm_call:"], ["skipped", "speed:"],
+        ["skipped", "torchrun_2:"],
     ]  # fmt: skip
-    assert "needs vllm" in summary[2] and "needs datasets" in summary[3] and "needs 2 GPUs" in summary[4]
+    assert "needs vllm" in summary[3] and "needs datasets" in summary[4] and "needs 2 GPUs" in summary[5]
+    assert "ok     generate_with_graphs draws what plain generate draws (greedy)" in done.stdout
     assert (
         "datasets     missing (ImportError" in done.stdout
         and "pip download datasets==5.2.0 vllm==0.32.0" in done.stdout

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -336,6 +337,27 @@ def test_every_record_of_a_run_has_the_same_keys_whatever_happened_at_its_step(m
     assert [set(r) for r in curves.read_metrics(os.path.join(trainer.args.output_dir, "metrics.jsonl"))][1] == {
         key for key, value in records[1].items() if value is not None
     }  # the plots' reader drops the nulls
+
+
+def test_time_per_step_leaves_out_every_evaluation_step_0s_included(make_trainer):
+    """time/step runs from a step's first sampling round to its optimizer step: an evaluation that takes 0.6 s (step
+    0's before step 1, and one after each step) is in none of them, so MFU and throughput are the training's."""
+    trainer = make_trainer(max_steps=3, eval_steps=1, gradient_accumulation_steps=1)
+    evaluate, evaluations = trainer.evaluate, []
+
+    def slow_evaluation(*args, **kwargs):
+        time.sleep(0.6)
+        evaluations.append(1)
+        return evaluate(*args, **kwargs)
+
+    trainer.evaluate = slow_evaluation
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    records = read_jsonl(os.path.join(trainer.args.output_dir, "metrics.jsonl"))
+    steps = [r["time/step"] for r in records]
+    assert len(evaluations) == 4 and wall > 2.4  # steps 0 to 3
+    assert len(steps) == 3 and max(steps) < 0.6 and sum(steps) < wall - 2.4, steps
 
 
 def test_a_metric_without_values_keeps_its_keys_as_none():
