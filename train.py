@@ -154,7 +154,7 @@ class DapoArguments:
     top_k: int = arg(50, "top-k sampling; 0 = off (seed 50; verl's DAPO recipe off)", at_least=0)
     score_with_temperature: bool = arg(False, "log-probs under logits / temperature, the sampling policy (TRL, verl)")
     generation_batch_size: int = arg(0, "prompts per sampling call, all ranks; 0 = what the rollout needs", at_least=0)
-    max_generation_rows: int = arg(256, "at most this many responses per generate call (whole groups)", at_least=1)
+    max_generation_rows: int = arg(256, "at most this many responses per sampling call (whole groups)", at_least=1)
     # --- rewards and dynamic sampling ---
     reward_funcs: str = arg(SEED_REWARDS, "reward_func.py's function names, or module:function paths of your own")
     reward_weights: Optional[List[float]] = arg(None, "one weight per reward function; None = all 1.0")
@@ -179,7 +179,7 @@ class DapoArguments:
     eval_steps: int = arg(10, "evaluate every this many optimizer steps (and before training)", at_least=1)
     eval_samples: int = arg(100, "random test problems per evaluation; 0 = the whole split", at_least=0)
     eval_num_generations: int = arg(1, "k responses per test problem; k > 1 adds pass@k and maj@k", at_least=1)
-    eval_batch_size: int = arg(20, "prompts per generate call during evaluation", at_least=1)
+    eval_batch_size: int = arg(20, "prompts per sampling call during evaluation", at_least=1)
     save_steps: int = arg(100, "write output_dir/checkpoint_N every this many optimizer steps", at_least=1)
     save_total_limit: int = arg(0, "keep only the newest this many checkpoints; 0 = all (TRL's name)", at_least=0)
     report_to: Tracker = arg("none", "also log metrics to TensorBoard, Weights & Biases or Trackio")
@@ -488,7 +488,7 @@ class DapoTrainer:
         return self.vllm.sample(input_ids, attention_mask, *sampling)
 
     def generate_samples(self, inputs):
-        """num_generations responses to each prompt of the batch, in one generate call (or one per
+        """num_generations responses to each prompt of the batch, in one sampling call (or one per
         max_generation_rows responses; vLLM schedules its own memory): a list of Samples."""
         self.model.eval()
         G, pad = self.args.num_generations, self.tokenizer.pad_token_id

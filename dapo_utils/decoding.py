@@ -20,7 +20,6 @@ sampling is the trainer's settings and nothing else.
 """
 
 import contextlib
-import functools
 import math
 from typing import NamedTuple
 
@@ -177,7 +176,16 @@ def generate(model, input_ids, attention_mask, settings, logits_processor=None, 
         model.generation_config = saved
 
 
-generate_with_graphs = functools.partial(generate, static_cache=True)  # CUDA's default sampler
+def generate_with_graphs(model, input_ids, attention_mask, settings, logits_processor=None, multiple=64):
+    """generate over a static KV cache (CUDA's default sampler), the prompts left-padded to a multiple of `multiple`
+    columns: the cache's length, and so the shapes torch.compile specialises and CUDA graphs are recorded for, takes
+    a few values instead of one per prompt width (HF's advice for a static cache). The extra columns are masked
+    pads, dropped from the result: the same ids as generate on the prompts as given."""
+    extra = -input_ids.size(1) % multiple
+    ids = torch.nn.functional.pad(input_ids, (extra, 0), value=settings.pad_token_id)  # [N, P + extra]
+    mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
+    out = generate(model, ids, mask, settings, logits_processor, static_cache=True)
+    return out[:, extra:]  # [N, P + T']
 
 
 def sampler(device, cuda_graphs, fsdp):

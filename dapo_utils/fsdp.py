@@ -69,7 +69,7 @@ class FsdpWorld(World):
 
     @contextlib.contextmanager
     def unsharded(self, model):
-        """The whole model gathered on every rank for the block, resharded after. generate calls forward once
+        """The whole model gathered on every rank for the block, resharded after. the sampler calls forward once
         per token and ranks stop at different lengths, so per-forward all-gathers would not pair up across
         ranks (a hang); one all-gather per block does. Nested blocks gather once."""
         if self.unsharded_depth:

@@ -21,10 +21,10 @@ The demo's design, so that held-out accuracy is the headline (docs/demo.md):
 - Tokenizer: ~280 tokens, so that a prompt is ~31 tokens (Chinese phrases are single tokens), which
   makes the warm-up take seconds and each RL step cheap. Model: head size 32, which vLLM's CPU
   attention kernels support (`--demo --use_vllm=true`).
-- RL: 160 steps of 8 prompts (4 per micro-batch, one generate call of 64 rows) x G 8, 20-token
+- RL: 160 steps of 8 prompts (4 per micro-batch, one sampling call of 64 rows) x G 8, 20-token
   responses, lr 3e-4 with the gradient norm clipped to 1 (at 1e-3 the policy collapsed after ~20
   steps), on one torch thread (the thread count changes a CPU's sums, so the samples); every 20 steps one
-  evaluation of all 200 test problems in one generate call.
+  evaluation of all 200 test problems in one sampling call.
 
 Everything is saved with the standard Hugging Face writers, so train.py loads it with exactly the
 code it uses for the real thing: `datasets.load_dataset(data_dir)`,
@@ -409,7 +409,7 @@ DEMO_ARGS = dict(
     max_steps=160,
     eval_steps=20,
     eval_samples=DEMO_NUM_TEST,  # the whole test split, every time: no subset noise
-    eval_batch_size=DEMO_NUM_TEST,  # in one generate call
+    eval_batch_size=DEMO_NUM_TEST,  # in one sampling call
     save_steps=80,  # checkpoints at steps 80 and 160: an interrupted demo resumes with --demo --resume=latest
 )
 DEMO_WARM_UP_STEPS = 450  # 300 clean, then 150 noisy (WARM_UP_NOISY_SHARE)

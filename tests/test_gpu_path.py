@@ -128,21 +128,27 @@ def test_temperature_divides_float32_logits_under_bf16_autocast():
 # ---------- sampling: CUDA graphs on CUDA, the decode loop elsewhere ----------
 def test_cuda_samples_through_generate_over_a_static_cache():
     """On CUDA the default sampler is generate over a static KV cache (its decode step compiled with
-    torch.compile(mode="reduce-overhead"): CUDA graphs); fsdp's gathered model and cuda_graphs=False decode in the
-    loop, as the CPU does. tests/test_decoding.py checks that path's samples and distribution on the CPU."""
+    torch.compile(mode="reduce-overhead"): CUDA graphs), its prompts left-padded to a multiple of 64 columns so that
+    few shapes are compiled; fsdp's gathered model and cuda_graphs=False decode in the loop, as the CPU does.
+    tests/test_decoding.py checks that path's samples and distribution on the CPU."""
     assert decoding.sampler("cuda", True, False) is decoding.generate_with_graphs
-    assert decoding.generate_with_graphs.keywords == {"static_cache": True}
     for device, graphs, fsdp in (("cuda", False, False), ("cuda", True, True), ("cpu", True, False)):
         assert decoding.sampler(device, graphs, fsdp) is decoding.decode
     model = mock.Mock(generation_config="the model's")
-    decoding.generate(model, "ids", "mask", decoding.Sampling(3, [2], 0, 0.9, 50, 1.0), static_cache=True)
-    config = model.generate.call_args.kwargs["generation_config"]
+    model.generate.side_effect = lambda input_ids, **kwargs: torch.cat([input_ids, input_ids[:, :3]], 1)  # 3 tokens
+    ids = torch.arange(1, 71).view(2, 35)  # prompts 35 columns wide: padded to 64 for the static cache
+    settings = decoding.Sampling(3, [2], 0, 0.9, 50, 1.0)
+    out = decoding.generate_with_graphs(model, ids, torch.ones_like(ids), settings)
+    call = model.generate.call_args.kwargs
+    config, sent, sent_mask = call["generation_config"], call["input_ids"], call["attention_mask"]
     assert (config.cache_implementation, config.do_sample, config.top_k, config.max_new_tokens) == (
         "static",
         True,
         50,
         3,
     )
+    assert sent.shape == (2, 64) and (sent[:, :29] == 0).all() and (sent_mask[:, :29] == 0).all()
+    assert torch.equal(out[:, :35], ids) and out.shape == (2, 38)  # the extra columns dropped again
     assert model.generation_config == "the model's"  # put back after the call
 
 
