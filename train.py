@@ -40,10 +40,10 @@ from dapo_utils.checkpoints import save_final_model, save_run_checkpoint, stop_i
 from dapo_utils.cli import check_arguments
 from dapo_utils.curves import redraw_curves
 from dapo_utils.data import ANSWER_COLUMN, QUESTION_COLUMN, GSM8KDataset, read_system_prompt
+from dapo_utils.decoding import Sampling, sampler
 from dapo_utils.evaluation import LOGGED_EXAMPLES, EvaluationStopped, evaluate_model, logged_metrics
 from dapo_utils.flops import device_roof, log_prob_flops, model_shape, pass_flops, perf_metrics, sampling_metrics
 from dapo_utils.guards import check_data_ran_out, check_finite, check_rounds, check_rows, check_weights
-from dapo_utils.decoding import Sampling, sampler
 from dapo_utils.kernels import bf16_autocast, output_layer_scores, reuse_freed_memory
 from dapo_utils.notices import warn
 from dapo_utils.options import run_command
